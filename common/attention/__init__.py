@@ -1,0 +1,29 @@
+"""Attention backends by name. The model imports none of them; the runner picks one here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from common.attention.base import AttentionBackend, AttentionMetadata, ForwardContext
+
+
+def _torch() -> AttentionBackend:
+    from common.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend()
+
+
+BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": _torch}
+
+
+def create_backend(name: str) -> AttentionBackend:
+    if name == "auto":
+        name = "torch"
+    if name not in BACKENDS:
+        raise ValueError(
+            f"unknown attention backend {name!r}; choose from auto, {', '.join(BACKENDS)}"
+        )
+    return BACKENDS[name]()
+
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "ForwardContext", "create_backend", "BACKENDS"]

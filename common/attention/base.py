@@ -1,0 +1,93 @@
+"""The attention-backend interface the model code is written against.
+
+Contract: the model calls `ForwardContext.attention(layer, q, k, v)` once per layer with the
+step's new tokens flattened (`[num_tokens, heads, head_dim]`). The backend writes k and v into
+the paged cache at `slot_mapping` and returns attention over each sequence's whole context
+(cached prefix + earlier chunks + these tokens), causal within the new tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a flattened batch's tokens sit in the paged KV cache.
+
+    Sequence i owns new tokens `query_start_loc[i]:query_start_loc[i+1]`, which are the last
+    `query_lens[i]` of its `seq_lens[i]` context tokens. `slot_mapping[t] = block * block_size
+    + offset` for every new token; -1 marks a padding token whose KV is not written.
+    """
+
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    slot_mapping: torch.Tensor  # [T] int64
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(Protocol):
+    """One implementation per kernel family (torch reference, triton, flash_attn)."""
+
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+class ForwardContext:
+    """Binds one step's metadata and the KV cache to a backend for the model's layers.
+
+    `on_layer_done(layer)` (optional) runs after a layer's KV is in the cache; the prefill
+    node uses it to ship that layer while the next ones compute.
+    """
+
+    def __init__(
+        self,
+        backend: AttentionBackend,
+        metadata: AttentionMetadata,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        scale: float,
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.metadata = metadata
+        self.k_caches = k_caches
+        self.v_caches = v_caches
+        self.scale = scale
+        self.on_layer_done = on_layer_done
+
+    def attention(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        out = self.backend.forward(
+            q, k, v, self.k_caches[layer], self.v_caches[layer], self.metadata, self.scale
+        )
+        if self.on_layer_done is not None:
+            self.on_layer_done(layer)
+        return out

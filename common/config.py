@@ -1,0 +1,147 @@
+"""Frozen configuration dataclasses, composed per role, and CLI flags derived from their fields.
+
+Values found at run time (number of KV blocks, EOS ids, the chosen backend) live in
+`RuntimeInfo`, never written back here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = field(
+        default=None,
+        metadata={"help": "HF directory, .gguf file, or none for the embedded SmolLM2"},
+    )
+    load_format: str = field(
+        default="auto", metadata={"help": "auto (weights from the checkpoint) or dummy (random)"}
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16"},
+    )
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:N"})
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "longest prompt + output; default: the model's"}
+    )
+    seed: int = field(default=0, metadata={"help": "seed for dummy weights and unseeded sampling"})
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    kv_cache_memory_bytes: int | None = field(
+        default=None,
+        metadata={
+            "help": "KV pool size in bytes (default: 1 GiB on CPU, a fraction of free memory on GPU)"
+        },
+    )
+    kv_memory_fraction: float = field(
+        default=0.85,
+        metadata={"help": "GPU: fraction of total memory the process may use, weights included"},
+    )
+    num_kv_blocks: int | None = field(
+        default=None, metadata={"help": "force the number of KV blocks"}
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata={"help": "reuse KV of identical prompt prefixes"}
+    )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = field(default=128, metadata={"help": "most sequences in one step"})
+    max_num_batched_tokens: int = field(
+        default=2048, metadata={"help": "token budget of one step (prefill chunks + decodes)"}
+    )
+    enable_chunked_prefill: bool = field(
+        default=True, metadata={"help": "split long prompts across steps"}
+    )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    attention_backend: str = field(
+        default="auto", metadata={"help": "auto, torch, triton, flash_attn"}
+    )
+    enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs"})
+
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineConfig:
+        """Build from flat keyword options (`block_size=32, max_num_seqs=8, ...`)."""
+        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+        top: dict[str, Any] = {}
+        owners = {f.name: part for part, sub in _SUBCONFIGS.items() for f in fields(sub)}
+        for key, value in options.items():
+            if key in owners:
+                parts[owners[key]][key] = value
+            elif key in {f.name for f in fields(cls)} and key not in _SUBCONFIGS:
+                top[key] = value
+            else:
+                raise ValueError(f"unknown engine option {key!r}")
+        return cls(
+            model=ModelConfig(**parts["model"]),
+            cache=CacheConfig(**parts["cache"]),
+            scheduler=SchedulerConfig(**parts["scheduler"]),
+            **top,
+        )
+
+    def flat_options(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _SUBCONFIGS}
+        for part in _SUBCONFIGS:
+            out.update(dataclasses.asdict(getattr(self, part)))
+        return out
+
+
+_SUBCONFIGS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> None:
+    """One `--flag` per field, default and help taken from the field."""
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        if f.name in _SUBCONFIGS and cls is EngineConfig:
+            add_dataclass_args(parser, _SUBCONFIGS[f.name], prefix)
+            continue
+        flag = "--" + prefix + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        kind = _scalar_type(hints[f.name])
+        help_text = f.metadata.get("help", "")
+        if kind is bool:
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=help_text,
+            )
+        else:
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                type=kind,
+                default=default,
+                help=f"{help_text} (default: {default})",
+            )
+
+
+def _scalar_type(hint: Any) -> type:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    names = {f.name for sub in _SUBCONFIGS.values() for f in fields(sub)}
+    names |= {f.name for f in fields(EngineConfig) if f.name not in _SUBCONFIGS}
+    return EngineConfig.from_options(**{n: getattr(args, n) for n in names if hasattr(args, n)})

@@ -1,0 +1,20 @@
+"""Every environment variable the project reads, typed, with one prefix: PDSERVE_."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where converted GGUF checkpoints are kept (PDSERVE_CACHE_DIR, default ~/.cache/pdserve)."""
+    return Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
+
+
+def log_level() -> str:
+    return os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper()
+
+
+def fail_transfer_rate() -> float:
+    """Failure injection for tests: fraction of KV transfers that fail on purpose."""
+    return float(os.environ.get("PDSERVE_FAIL_TRANSFER_RATE", "0"))

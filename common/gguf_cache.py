@@ -1,0 +1,66 @@
+"""GGUF checkpoints, turned once into a Hugging Face directory we can load quickly.
+
+transformers dequantizes GGUF tensors on load (tens of seconds); we do that once per file and
+keep config, safetensors weights and tokenizer under `envs.cache_dir()`, keyed by the file's
+path, size and mtime. Every later process loads the cached directory like any HF checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from common import envs
+
+
+def cached_hf_dir(gguf_path: Path) -> Path:
+    stat = gguf_path.stat()
+    key = hashlib.sha256(
+        f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+    ).hexdigest()
+    return envs.cache_dir() / "gguf" / f"{gguf_path.stem}-{key[:12]}"
+
+
+def _save_plain_checkpoint(model, folder: Path) -> None:
+    # save_pretrained refuses GGUF-quantized models; the dequantized tensors are plain, so
+    # write config, generation config and safetensors ourselves.
+    from safetensors.torch import save_file
+
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    model.generation_config.to_json_file(str(folder / "generation_config.json"))
+    state = model.state_dict()
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
+
+
+def materialize_gguf(gguf_path: Path) -> Path:
+    """Return an HF model directory holding `gguf_path`'s dequantized float32 weights."""
+    target = cached_hf_dir(gguf_path)
+    if (target / "config.json").exists():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Write into a temporary sibling and rename, so concurrent processes never see half a dir.
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
+    try:
+        _save_plain_checkpoint(model, staging)
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, target)
+    except OSError:
+        if not (target / "config.json").exists():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

@@ -1,0 +1,162 @@
+"""Find a checkpoint, read its spec, build our model and fill its weights.
+
+Sources: an HF directory (config.json + *.safetensors, sharded or not), a GGUF file (through
+transformers, cached as an HF directory), the embedded SmolLM2 GGUF when no model is named, or
+`load_format="dummy"`: random weights from a config.json alone, for benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common.embedded import embedded_gguf_path
+from common.gguf_cache import materialize_gguf
+from common.model_spec import ModelSpec
+from common.models.llama import STACKED_PARAMS, LlamaForCausalLM
+
+LOAD_FORMATS = ("auto", "dummy")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved checkpoint: an HF-style directory (for GGUF, the cached conversion)."""
+
+    directory: Path
+    name: str  # what /v1/models reports
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    if model is None:
+        gguf = embedded_gguf_path()
+        return ModelSource(materialize_gguf(gguf), "SmolLM2-135M-Instruct")
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(materialize_gguf(path), path.stem)
+    if path.is_file() and path.name == "config.json":
+        path = path.parent
+    if not path.is_dir():
+        raise ValueError(f"model {model!r} is not a directory, a config.json or a .gguf file")
+    if not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs:
+            return ModelSource(materialize_gguf(ggufs[0]), path.name)
+        raise ValueError(f"model directory {path} has no config.json")
+    return ModelSource(path, path.name)
+
+
+def read_spec(source: ModelSource) -> ModelSpec:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(source.directory)
+    return ModelSpec.from_hf_config(config, eos_token_ids=_generation_eos_ids(source.directory))
+
+
+def _generation_eos_ids(directory: Path) -> tuple[int, ...]:
+    path = directory / "generation_config.json"
+    if not path.exists():
+        return ()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return ()
+    return (eos,) if isinstance(eos, int) else tuple(eos)
+
+
+def build_model(
+    spec: ModelSpec,
+    source: ModelSource,
+    *,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> LlamaForCausalLM:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(spec, max_positions)
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        if load_format == "dummy":
+            fill_dummy_weights(model, seed)
+        else:
+            load_weights(model, iter_safetensors(source.directory))
+    return model.eval()
+
+
+def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"no *.safetensors files in {directory} (use load_format='dummy' for random weights)"
+        )
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint tensors into our parameters, splicing q/k/v and gate/up into fused ones."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if "rotary_emb" in name:
+            continue
+        if name == "lm_head.weight" and model.spec.tie_word_embeddings:
+            continue
+        target, shard = _fused_target(name)
+        if target not in params:
+            raise ValueError(
+                f"checkpoint tensor {name!r} has no place in {model.spec.architecture}"
+            )
+        param = params[target]
+        if shard is None:
+            _copy(param, tensor, name)
+        else:
+            module = model.get_submodule(target.rsplit(".", 2)[0])
+            sizes = module.shard_sizes()
+            start = sum(sizes[:shard])
+            _copy(param.narrow(0, start, sizes[shard]), tensor, name)
+        loaded.add(target)
+    missing = {n for n in params if n not in loaded}
+    if model.spec.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
+
+
+def _fused_target(name: str) -> tuple[str, int | None]:
+    for fused, part, shard in STACKED_PARAMS:
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{fused}."), shard
+    return name, None
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(
+            f"tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
+        )
+    dst.copy_(src)
+
+
+def fill_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
+    """Random weights of realistic scale: N(0, 0.02) matrices, norms near 1, on the model's device."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.uniform_(0.9, 1.1, generator=generator)
+        else:
+            param.normal_(0.0, 0.02, generator=generator)

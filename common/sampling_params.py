@@ -1,0 +1,85 @@
+"""Per-request sampling parameters (pure Python, no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Temperatures below this are treated as greedy decoding.
+GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """What to sample and when to stop, in the spirit of vLLM's `SamplingParams`.
+
+    `top_k <= 0` disables top-k; `top_p == 1` and `min_p == 0` disable those filters.
+    `logprobs=N` returns the sampled token's logprob and the N most likely tokens.
+    `stop` strings are matched on decoded text by whoever detokenizes (LLM or router).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    def validate(self) -> None:
+        def bad(name: str, value: object, rule: str) -> ValueError:
+            return ValueError(f"{name} must be {rule}, got {value!r}")
+
+        if self.n != 1:
+            raise bad("n", self.n, "1 (several choices per request are not supported)")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise bad("temperature", self.temperature, "in [0, 100]")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", self.top_p, "in (0, 1]")
+        if self.top_k < -1:
+            raise bad("top_k", self.top_k, "-1, 0 (disabled) or positive")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", self.min_p, "in [0, 1]")
+        if self.repetition_penalty <= 0.0:
+            raise bad("repetition_penalty", self.repetition_penalty, "> 0")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", self.max_tokens, ">= 1")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", self.min_tokens, ">= 0")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad("logprobs", self.logprobs, f"in [0, {MAX_LOGPROBS}]")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", self.stop_token_ids, "non-negative integers")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", self.stop, "non-empty strings")
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )

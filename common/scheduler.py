@@ -1,0 +1,237 @@
+"""Continuous-batching scheduler (pure Python, no torch).
+
+Every step gets a token budget. Running sequences go first (a decode costs one token, an
+unfinished prompt its next chunk), then waiting ones in arrival order. A sequence's KV blocks
+are allocated just before the step that fills them; when the pool runs dry the most recently
+arrived running sequence is preempted: its blocks are freed and it is recomputed later (its
+full blocks usually come back from the prefix cache). Nothing here can fail for lack of memory.
+
+Block ownership: the scheduler frees a sequence's blocks when it finishes, is aborted or is
+preempted, except for sequences detached with `keep_blocks=True` (the prefill node keeps them
+until their KV has been shipped, then frees them itself).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from common.block_allocator import BlockAllocator, compute_block_hashes, hash_block_tokens
+from common.config import SchedulerConfig
+from common.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first position computed this step (== seq.num_computed_tokens when scheduled)
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the known tokens, so a token is sampled."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class ScheduledBatch:
+    items: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.items)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.block_size = allocator.block_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    # -- admission and removal ------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        needed = self.blocks_for(seq.num_tokens + 1)
+        if needed > self.allocator.num_blocks:
+            raise ValueError(
+                f"request {seq.request_id!r} needs {needed} KV blocks, the pool has {self.allocator.num_blocks}"
+            )
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Admit a sequence whose KV is already in its blocks (decode node, after transfer)."""
+        assert seq.block_ids and seq.num_computed_tokens > 0
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for queue in (self.running, self.waiting):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self._finish(seq, FinishReason.ABORT)
+                    return seq
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- one step -------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[str] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_pending_tokens, budget)
+            if not self._grow(seq, num_new, batch, scheduled):
+                continue  # seq itself was preempted; self.running shrank
+            batch.items.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+            scheduled.add(seq.request_id)
+            budget -= num_new
+            i += 1
+        if batch.preempted:
+            return batch  # memory is short: admit nothing new this step
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_ids:
+                self._attach_cached_prefix(seq)
+            num_new = seq.num_pending_tokens
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            extra = self.blocks_for(seq.num_computed_tokens + num_new) - len(seq.block_ids)
+            blocks = self.allocator.allocate(extra)
+            if blocks is None:
+                break  # wait for memory; its prefix blocks stay referenced until then
+            seq.block_ids.extend(blocks)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.items.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+            budget -= num_new
+        return batch
+
+    def _grow(
+        self, seq: Sequence, num_new: int, batch: ScheduledBatch, scheduled: set[str]
+    ) -> bool:
+        """Give `seq` blocks for `num_new` more tokens, preempting later sequences if needed."""
+        extra = self.blocks_for(seq.num_computed_tokens + num_new) - len(seq.block_ids)
+        while extra > 0:
+            blocks = self.allocator.allocate(extra)
+            if blocks is not None:
+                seq.block_ids.extend(blocks)
+                return True
+            victim = self.running[-1]
+            if victim.request_id in scheduled:
+                raise AssertionError("preempting a sequence already in this batch")
+            self._preempt(victim)
+            batch.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.allocator.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        seq.num_registered_blocks = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _attach_cached_prefix(self, seq: Sequence) -> None:
+        if not self.allocator.enable_prefix_caching:
+            return
+        self._extend_hashes(seq, seq.num_tokens)
+        # Leave at least one token to compute: its logits give the next token.
+        usable = (seq.num_tokens - 1) // self.block_size
+        blocks = self.allocator.match_prefix(seq.block_hashes[:usable])
+        seq.block_ids = blocks
+        seq.num_computed_tokens = seq.num_cached_tokens = len(blocks) * self.block_size
+        seq.num_registered_blocks = len(blocks)
+
+    def _extend_hashes(self, seq: Sequence, num_tokens: int) -> None:
+        full = num_tokens // self.block_size
+        if len(seq.block_hashes) >= full:
+            return
+        if not seq.block_hashes:
+            seq.block_hashes = compute_block_hashes(
+                seq.all_token_ids[: full * self.block_size], self.block_size
+            )
+            return
+        tokens = seq.all_token_ids
+        for b in range(len(seq.block_hashes), full):
+            chunk = tokens[b * self.block_size : (b + 1) * self.block_size]
+            seq.block_hashes.append(hash_block_tokens(seq.block_hashes[-1], chunk))
+
+    # -- after the model ran --------------------------------------------------------------
+    def update(
+        self, batch: ScheduledBatch, sampled: Iterable[SampledToken | None]
+    ) -> list[Sequence]:
+        """Advance computed counts, append sampled tokens; return the sequences that finished."""
+        finished: list[Sequence] = []
+        for item, token in zip(batch.items, sampled, strict=True):
+            seq = item.seq
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            seq.num_computed_tokens = item.start + item.num_new_tokens
+            self._register_full_blocks(seq)
+            if not item.samples:
+                continue
+            assert token is not None, "a sampling row produced no token"
+            if token.logprob is not None:
+                seq.output_logprobs.append(token.logprob)
+            if token.top_logprobs is not None:
+                seq.output_top_logprobs.append(token.top_logprobs)
+            reason = seq.append_token(token.token_id)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def detach(self, seq: Sequence, reason: FinishReason) -> None:
+        """Finish `seq` but hand its blocks to the caller, who must free them (prefill node)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        if not self.allocator.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        if full <= seq.num_registered_blocks:
+            return
+        self._extend_hashes(seq, full * self.block_size)
+        for b in range(seq.num_registered_blocks, full):
+            self.allocator.register_full_block(seq.block_ids[b], seq.block_hashes[b])
+        seq.num_registered_blocks = full
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq.block_ids:
+            self.allocator.free(seq.block_ids)
+            seq.block_ids = []

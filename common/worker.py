@@ -1,0 +1,131 @@
+"""Everything one process needs to run the model: weights, KV pool, block allocator, runner.
+
+Built once per engine process (colocated engine, prefill node, decode node). Values found here
+at run time go to `RuntimeInfo`; the frozen `EngineConfig` is never modified.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from common.attention import create_backend
+from common.block_allocator import BlockAllocator
+from common.config import EngineConfig
+from common.kv_cache import DEFAULT_CPU_KV_BYTES, KVCache, gpu_kv_budget, num_blocks_for_budget
+from common.loader import ModelSource, build_model, read_spec, resolve_model
+from common.model_runner import ModelRunner
+from common.model_spec import ModelSpec
+from common.sampling_params import SamplingParams
+from common.scheduler import ScheduledBatch, ScheduledSeq
+from common.sequence import Sequence
+from common.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    model_name: str
+    device: str
+    dtype: str
+    attention_backend: str
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+class Worker:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc, cc = config.model, config.cache
+        self.device = pick_device(mc.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = pick_dtype(mc.dtype, self.device)
+        self.source: ModelSource = resolve_model(mc.model)
+        self.spec: ModelSpec = read_spec(self.source)
+        max_len = mc.max_model_len or self.spec.max_position_embeddings
+        if self.spec.sliding_window:
+            # Within one window sliding-window attention equals full attention.
+            max_len = min(max_len, self.spec.sliding_window)
+        self.model = build_model(
+            self.spec,
+            self.source,
+            max_positions=max_len,
+            dtype=self.dtype,
+            device=self.device,
+            load_format=mc.load_format,
+            seed=mc.seed,
+        )
+        self.tokenizer = load_tokenizer(self.source.directory)
+        self.backend = create_backend(config.attention_backend)
+        num_blocks = self._size_kv_cache(max_len)
+        self.kv_cache = KVCache.allocate(
+            self.spec, num_blocks, cc.block_size, self.dtype, self.device
+        )
+        self.allocator = BlockAllocator(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device)
+        self.runtime = RuntimeInfo(
+            model_name=self.source.name,
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+            attention_backend=self.backend.name,
+            num_kv_blocks=num_blocks,
+            block_size=cc.block_size,
+            max_model_len=min(max_len, num_blocks * cc.block_size),
+            vocab_size=self.spec.vocab_size,
+            eos_token_ids=self.spec.eos_token_ids,
+        )
+        log.info("worker ready: %s", self.runtime)
+
+    def _size_kv_cache(self, max_len: int) -> int:
+        cc = self.config.cache
+        if cc.num_kv_blocks is not None:
+            return cc.num_kv_blocks
+        if cc.kv_cache_memory_bytes is not None:
+            budget = cc.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            self._profile_peak_memory(max_len)
+            budget = gpu_kv_budget(self.device, cc.kv_memory_fraction)
+        else:
+            budget = DEFAULT_CPU_KV_BYTES
+        return num_blocks_for_budget(self.spec, cc.block_size, self.dtype, budget)
+
+    def _profile_peak_memory(self, max_len: int) -> None:
+        """Run the largest step once on a scratch KV pool so the peak activation size is known."""
+        sc, bs = self.config.scheduler, self.config.cache.block_size
+        num_tokens = min(sc.max_num_batched_tokens, max_len)
+        blocks = -(-num_tokens // bs)
+        scratch = KVCache.allocate(self.spec, blocks, bs, self.dtype, self.device)
+        runner = ModelRunner(self.model, scratch, self.backend, self.device)
+        seq = Sequence("profile", [0] * num_tokens, SamplingParams(max_tokens=1))
+        seq.block_ids = list(range(blocks))
+        torch.cuda.reset_peak_memory_stats(self.device)
+        runner.execute(ScheduledBatch([ScheduledSeq(seq, 0, num_tokens)]))
+        torch.cuda.synchronize(self.device)
+        del scratch, runner
+        torch.cuda.empty_cache()

@@ -1,0 +1,29 @@
+"""Shared fixtures: the embedded model through our engine and through HF transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
+
+
+@pytest.fixture(scope="session")
+def smollm_dir():
+    from common.loader import resolve_model
+
+    return resolve_model(None).directory
+
+
+@pytest.fixture(scope="session")
+def smollm_llm():
+    from common import LLM
+
+    return LLM(device="cpu", max_num_batched_tokens=512)
+
+
+@pytest.fixture(scope="session")
+def smollm_hf(smollm_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()

@@ -1,0 +1,20 @@
+"""HF transformers as the correctness oracle: greedy continuation of one prompt."""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """HF `generate()` in greedy mode, never stopping early on EOS."""
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt_ids) :].tolist()
