@@ -69,6 +69,14 @@ class Scheduler:
             raise ValueError(
                 f"request {seq.request_id!r} needs {needed} KV blocks, the pool has {self.allocator.num_blocks}"
             )
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and seq.max_model_len > budget:
+            # Unsplittable: a prompt, or a preempted sequence's recompute, longer than one step's
+            # budget would block the queue forever (the worker caps max_model_len to prevent it).
+            raise ValueError(
+                f"request {seq.request_id!r} may grow to {seq.max_model_len} tokens, more than "
+                f"max_num_batched_tokens={budget}, and chunked prefill is off"
+            )
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
@@ -116,12 +124,14 @@ class Scheduler:
                 self._attach_cached_prefix(seq)
             num_new = seq.num_pending_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
+                self._release_blocks(seq)
                 break
             num_new = min(num_new, budget)
             extra = self.blocks_for(seq.num_computed_tokens + num_new) - len(seq.block_ids)
             blocks = self.allocator.allocate(extra)
             if blocks is None:
-                break  # wait for memory; its prefix blocks stay referenced until then
+                self._release_blocks(seq)
+                break
             seq.block_ids.extend(blocks)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -151,14 +161,21 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.allocator.free(seq.block_ids)
-        seq.block_ids = []
-        seq.num_computed_tokens = 0
-        seq.num_cached_tokens = 0
-        seq.num_registered_blocks = 0
+        self._release_blocks(seq)
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+
+    def _release_blocks(self, seq: Sequence) -> None:
+        """Drop a non-running sequence's blocks; full ones stay cached and are matched again later.
+
+        Waiting sequences must hold no blocks between steps: pinned cached blocks could be the
+        ones a running sequence, or a preempted one re-queued ahead of this one, needs, and
+        then nothing can ever be scheduled again.
+        """
+        self.allocator.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_computed_tokens = seq.num_cached_tokens = seq.num_registered_blocks = 0
 
     def _attach_cached_prefix(self, seq: Sequence) -> None:
         if not self.allocator.enable_prefix_caching:

@@ -69,6 +69,9 @@ class Worker:
         self.source: ModelSource = resolve_model(mc.model)
         self.spec: ModelSpec = read_spec(self.source)
         max_len = mc.max_model_len or self.spec.max_position_embeddings
+        if not config.scheduler.enable_chunked_prefill:
+            # An unsplittable prompt (or a preempted sequence's recompute) must fit one step.
+            max_len = min(max_len, config.scheduler.max_num_batched_tokens)
         if self.spec.sliding_window:
             # Within one window sliding-window attention equals full attention.
             max_len = min(max_len, self.spec.sliding_window)
