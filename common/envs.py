@@ -13,8 +13,3 @@ def cache_dir() -> Path:
 
 def log_level() -> str:
     return os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper()
-
-
-def fail_transfer_rate() -> float:
-    """Failure injection for tests: fraction of KV transfers that fail on purpose."""
-    return float(os.environ.get("PDSERVE_FAIL_TRANSFER_RATE", "0"))

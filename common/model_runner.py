@@ -13,7 +13,7 @@ import torch
 from common.attention import AttentionBackend, AttentionMetadata, ForwardContext
 from common.kv_cache import KVCache
 from common.models.llama import LlamaForCausalLM
-from common.sampler import Sampler, SamplingInputs, make_generator
+from common.sampler import Sampler, SamplingInputs, make_generator, skip_draws
 from common.scheduler import SampledToken, ScheduledBatch
 
 
@@ -49,6 +49,13 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget per-request state (its seeded generator) once the request has ended."""
         self._generators.pop(request_id, None)
+
+    def resume_request(self, request_id: str, seed: int | None, sampled_elsewhere: int) -> None:
+        """Set up a seeded request whose first tokens were sampled by another process."""
+        generator = make_generator(seed, self.device)
+        if generator is not None:
+            skip_draws(generator, self.model.spec.vocab_size, self.device, sampled_elsewhere)
+        self._generators[request_id] = generator
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         bs = self.block_size

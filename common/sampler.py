@@ -185,6 +185,18 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
     return logits.scatter_(1, order, sorted_logits)
 
 
+def skip_draws(
+    generator: torch.Generator, vocab_size: int, device: torch.device, steps: int
+) -> None:
+    """Advance a seeded generator past `steps` sampled tokens, as if this sampler drew them.
+
+    A decode node continues a seeded request whose first token was sampled elsewhere; skipping
+    that draw keeps its tokens identical to a single-process run.
+    """
+    for _ in range(steps):
+        torch.empty(vocab_size, device=device).exponential_(generator=generator)
+
+
 def _exponential_noise(
     probs: torch.Tensor, generators: list[torch.Generator | None]
 ) -> torch.Tensor:

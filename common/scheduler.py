@@ -7,8 +7,8 @@ arrived running sequence is preempted: its blocks are freed and it is recomputed
 full blocks usually come back from the prefix cache). Nothing here can fail for lack of memory.
 
 Block ownership: the scheduler frees a sequence's blocks when it finishes, is aborted or is
-preempted, except for sequences detached with `keep_blocks=True` (the prefill node keeps them
-until their KV has been shipped, then frees them itself).
+preempted, except in `prefill_only` mode, where a sequence that sampled its first token leaves
+with its blocks: the prefill node keeps them until the KV has been shipped, then frees them.
 """
 
 from __future__ import annotations
@@ -55,9 +55,14 @@ class SampledToken:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator) -> None:
+    def __init__(
+        self, config: SchedulerConfig, allocator: BlockAllocator, prefill_only: bool = False
+    ) -> None:
+        """`prefill_only` (prefill node): a sequence leaves the scheduler as soon as its first
+        token is sampled, keeping its blocks for the KV transfer; the caller frees them."""
         self.config = config
         self.allocator = allocator
+        self.prefill_only = prefill_only
         self.block_size = allocator.block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -222,18 +227,16 @@ class Scheduler:
             if token.top_logprobs is not None:
                 seq.output_top_logprobs.append(token.top_logprobs)
             reason = seq.append_token(token.token_id)
-            if reason is not None:
+            if self.prefill_only:
+                self.running.remove(seq)
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = reason  # None: decoding continues on a decode node
+                finished.append(seq)
+            elif reason is not None:
                 self.running.remove(seq)
                 self._finish(seq, reason)
                 finished.append(seq)
         return finished
-
-    def detach(self, seq: Sequence, reason: FinishReason) -> None:
-        """Finish `seq` but hand its blocks to the caller, who must free them (prefill node)."""
-        if seq in self.running:
-            self.running.remove(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         if not self.allocator.enable_prefix_caching:

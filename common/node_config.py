@@ -1,0 +1,51 @@
+"""Configuration shared by the node processes, and their command line (derived from fields)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass, field
+
+from common import envs
+from common.config import EngineConfig, add_dataclass_args, engine_config_from_args
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    control_address: str = field(
+        default="tcp://127.0.0.1:5601",
+        metadata={"help": "this node's control socket (also its id)"},
+    )
+    router_address: str = field(
+        default="tcp://127.0.0.1:5600", metadata={"help": "the router's events socket"}
+    )
+    kv_address: str = field(
+        default="tcp://127.0.0.1:5801", metadata={"help": "decode node: where KV arrives"}
+    )
+    transport: str = field(default="zmq", metadata={"help": "KV transport: zmq, loopback"})
+    transfer_deadline_s: float = field(
+        default=30.0, metadata={"help": "a KV transfer not done by then fails its request"}
+    )
+    fail_transfer_rate: float = field(
+        default=0.0, metadata={"help": "tests only: fraction of transfers failed on purpose"}
+    )
+    colocated: bool = field(
+        default=False, metadata={"help": "decode node: prefill locally too (no prefill node)"}
+    )
+
+
+def parse_node_args(
+    description: str, argv: list[str] | None = None
+) -> tuple[NodeConfig, EngineConfig]:
+    parser = argparse.ArgumentParser(description=description)
+    add_dataclass_args(parser, NodeConfig)
+    add_dataclass_args(parser, EngineConfig)
+    args = parser.parse_args(argv)
+    node = NodeConfig(**{f: getattr(args, f) for f in NodeConfig.__dataclass_fields__})
+    return node, engine_config_from_args(args)
+
+
+def setup_logging(name: str) -> None:
+    logging.basicConfig(
+        level=envs.log_level(), format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s"
+    )

@@ -1,0 +1,15 @@
+"""Decode node: reserves KV blocks, receives a prompt's KV, decodes with continuous batching.
+
+Lifecycle of one request here (PD mode):
+1. DecodeRequest arrives from the router and joins the reservation queue (FIFO).
+2. As soon as the allocator can hold the prompt, its blocks are reserved, the KV receiver is
+   told to expect them, and the prefill node gets a Reservation with the block ids. When the
+   pool is full the queue waits: backpressure instead of a failure later.
+3. The KV lands layer by layer in the reserved blocks; the completion notice brings the first
+   token. The request then joins the running set at the next step (admission).
+4. Every step decodes one token for every running request; the tokens of a step go to the
+   router in one TokenBatch.
+5. On EOS / stop token / max_tokens / context limit, or on Abort, the blocks are freed.
+With `--colocated` the node skips 1-3: requests go straight to the scheduler and are prefilled
+here, which makes it the single-process baseline for every PD comparison.
+"""

@@ -1,0 +1,261 @@
+"""The decode node's event loop: reserve, receive KV, admit, decode, stream tokens."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+
+from common.config import EngineConfig
+from common.messages import Abort, DecodeRequest, RequestError, Reservation, TokenBatch
+from common.node_channel import NodeChannel, runtime_info
+from common.node_config import NodeConfig
+from common.sampling_params import SamplingParams
+from common.scheduler import Scheduler
+from common.sequence import Sequence, SequenceStatus
+from common.worker import Worker
+from decode_node.reservations import ReservationQueue
+from kv_transfer import Transfer, TransferConfig, TransferState, create_receiver
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeTiming:
+    """Decode-side moments of one request (this process's monotonic clock)."""
+
+    arrived_at: float = field(default_factory=time.monotonic)
+    reserved_at: float | None = None
+    kv_landed_at: float | None = None
+    kv_first_frame_at: float | None = None
+    first_step_at: float | None = None
+    prefill_timing: dict[str, float] = field(default_factory=dict)
+    sent_first: bool = False
+
+    def first_report(self) -> dict[str, float]:
+        out = dict(self.prefill_timing)
+        if self.reserved_at is not None:
+            out["decode_reservation_wait"] = self.reserved_at - self.arrived_at
+        if self.kv_landed_at is not None and self.reserved_at is not None:
+            start = self.kv_first_frame_at or self.reserved_at
+            out["kv_transfer"] = self.kv_landed_at - start
+            out["kv_wait_after_reservation"] = self.kv_landed_at - self.reserved_at
+        if self.kv_landed_at is not None and self.first_step_at is not None:
+            out["decode_admission_wait"] = self.first_step_at - self.kv_landed_at
+        return out
+
+
+class DecodeNode:
+    def __init__(self, node_config: NodeConfig, engine_config: EngineConfig) -> None:
+        self.config = node_config
+        self.colocated = node_config.colocated
+        self.worker = Worker(engine_config)
+        self.scheduler = Scheduler(engine_config.scheduler, self.worker.allocator)
+        self.reservations = ReservationQueue(self.worker.allocator)
+        self.receiver = None
+        extra = {}
+        if not self.colocated:
+            self.receiver = create_receiver(
+                TransferConfig(
+                    transport=node_config.transport, deadline_s=node_config.transfer_deadline_s
+                ),
+                self.worker.kv_cache.pool,
+                node_config.kv_address,
+            )
+            extra["kv_address"] = self.receiver.address
+        role = "colocated" if self.colocated else "decode"
+        self.channel = NodeChannel(node_config.control_address, node_config.router_address, role)
+        self.info = runtime_info(self.worker.runtime, **extra)
+        self.sequences: dict[str, Sequence] = {}
+        self.timings: dict[str, DecodeTiming] = {}
+        self._stopping = False
+
+    # -- loop -------------------------------------------------------------------------------
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        signal.signal(signal.SIGINT, lambda *_: self.stop())
+        log.info("%s node %s ready", self.channel.role, self.channel.node_id)
+        try:
+            while not self._stopping:
+                self.step()
+        finally:
+            if self.receiver is not None:
+                self.receiver.close()
+            self.channel.close()
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def step(self) -> None:
+        busy = self.scheduler.has_work()
+        for message in self.channel.receive(timeout_s=0.0 if busy else 0.005):
+            self.handle(message)
+        if self.receiver is not None:
+            self._reserve_blocks()
+            for transfer in self.receiver.poll(timeout_s=0.0 if busy else 0.005):
+                self._transfer_ended(transfer)
+        if self.scheduler.has_work():
+            self._decode_step()
+        self.channel.maybe_heartbeat(self.info, self._load())
+
+    def handle(self, message: object) -> None:
+        if isinstance(message, DecodeRequest):
+            self._accept(message)
+        elif isinstance(message, Abort):
+            self._abort(message.request_id)
+        else:
+            log.warning("decode node ignores %s", type(message).__name__)
+
+    # -- admission --------------------------------------------------------------------------
+    def _accept(self, request: DecodeRequest) -> None:
+        rid = request.request_id
+        if rid in self.timings:
+            self.channel.to_router(RequestError(rid, f"duplicate request id {rid!r}", 400))
+            return
+        try:
+            params = SamplingParams(**request.sampling)
+            seq = self._new_sequence(rid, request.prompt_token_ids, params)
+        except (TypeError, ValueError) as exc:
+            self.channel.to_router(RequestError(rid, str(exc), 400))
+            return
+        if request.prefill_node is None:
+            if not self.colocated:
+                self.channel.to_router(
+                    RequestError(rid, "this decode node needs a prefill node", 400)
+                )
+                return
+            self.scheduler.add(seq)
+            self.sequences[rid] = seq
+        elif self.colocated:
+            self.channel.to_router(RequestError(rid, "a colocated node takes no prefill node", 400))
+            return
+        else:
+            self.reservations.add(request)
+        self.timings[rid] = DecodeTiming()
+
+    def _new_sequence(self, rid: str, prompt: list[int], params: SamplingParams) -> Sequence:
+        rt = self.worker.runtime
+        if not prompt or len(prompt) >= rt.max_model_len:
+            raise ValueError(f"prompt length {len(prompt)} outside [1, {rt.max_model_len})")
+        if any(not 0 <= t < rt.vocab_size for t in prompt):
+            raise ValueError(f"token id outside [0, {rt.vocab_size})")
+        seq = Sequence(
+            rid, list(prompt), params, frozenset(rt.eos_token_ids), max_model_len=rt.max_model_len
+        )
+        if self.scheduler.blocks_for(len(prompt) + 1) > self.worker.allocator.num_blocks:
+            raise ValueError(f"prompt of {len(prompt)} tokens does not fit this node's KV pool")
+        return seq
+
+    def _reserve_blocks(self) -> None:
+        while (pending := self.reservations.reserve_next()) is not None:
+            rid = pending.request.request_id
+            self.receiver.expect(rid, pending.block_ids)
+            self.timings[rid].reserved_at = pending.reserved_at
+            self.channel.to_peer(
+                pending.request.prefill_node,
+                Reservation(rid, self.channel.node_id, pending.block_ids),
+            )
+
+    def _transfer_ended(self, transfer: Transfer) -> None:
+        rid = transfer.request_id
+        pending = self.reservations.take(rid)
+        timing = self.timings.get(rid)
+        if pending is None or timing is None:
+            return
+        if transfer.state is TransferState.FAILED:
+            self.worker.allocator.free(pending.block_ids)
+            self._end(rid)
+            self.channel.to_router(RequestError(rid, f"KV transfer failed: {transfer.error}", 500))
+            return
+        meta = transfer.metadata or {}
+        timing.kv_landed_at = transfer.finished_at or time.monotonic()
+        timing.kv_first_frame_at = getattr(transfer, "first_frame_at", None)
+        timing.prefill_timing = {k: float(v) for k, v in (meta.get("timing") or {}).items()}
+        req = pending.request
+        seq = self._new_sequence(rid, req.prompt_token_ids, SamplingParams(**req.sampling))
+        seq.output_token_ids.append(int(meta["first_token"]))
+        seq.block_ids = pending.block_ids
+        seq.num_computed_tokens = len(req.prompt_token_ids)
+        self.worker.runner.resume_request(rid, seq.params.seed, 0 if seq.params.greedy else 1)
+        self.scheduler.add_running(seq)
+        self.sequences[rid] = seq
+
+    # -- decoding ---------------------------------------------------------------------------
+    def _decode_step(self) -> None:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return
+        now = time.monotonic()
+        for item in batch.items:
+            timing = self.timings.get(item.seq.request_id)
+            if timing is not None and timing.first_step_at is None:
+                timing.first_step_at = now
+        try:
+            sampled = self.worker.runner.execute(batch)
+        except Exception as exc:  # a failed step fails its requests, not the node
+            log.exception("decode step failed")
+            for item in batch.items:
+                self._abort(item.seq.request_id)
+                self.channel.to_router(
+                    RequestError(item.seq.request_id, f"decode failed: {exc}", 500)
+                )
+            return
+        self.scheduler.update(batch, sampled)
+        outputs = []
+        for item, token in zip(batch.items, sampled, strict=True):
+            if token is not None:
+                outputs.append(self._output(item.seq, token))
+        if outputs:
+            self.channel.to_router(TokenBatch(outputs))
+
+    def _output(self, seq: Sequence, token) -> dict:
+        rid = seq.request_id
+        timing = self.timings.get(rid)
+        report = None
+        if timing is not None and not timing.sent_first:
+            timing.sent_first = True
+            report = timing.first_report()
+            if self.colocated:
+                report["prefill_queue"] = (
+                    timing.first_step_at or timing.arrived_at
+                ) - timing.arrived_at
+                report["prefill_compute"] = time.monotonic() - (
+                    timing.first_step_at or timing.arrived_at
+                )
+        finished = seq.status is SequenceStatus.FINISHED
+        if finished:
+            self._end(rid)
+        top = token.top_logprobs
+        return {
+            "request_id": rid,
+            "token_ids": [token.token_id],
+            "logprobs": [token.logprob] if token.logprob is not None else None,
+            "top_logprobs": [[[t, lp] for t, lp in top]] if top is not None else None,
+            "finished": finished,
+            "finish_reason": seq.finish_reason.value if finished and seq.finish_reason else None,
+            "timing": report,
+        }
+
+    # -- endings ----------------------------------------------------------------------------
+    def _abort(self, request_id: str) -> None:
+        if self.reservations.release(request_id) and self.receiver is not None:
+            self.receiver.cancel(request_id)
+        self.scheduler.abort(request_id)  # frees the blocks of a running/waiting sequence
+        self._end(request_id)
+
+    def _end(self, request_id: str) -> None:
+        self.sequences.pop(request_id, None)
+        self.timings.pop(request_id, None)
+        self.worker.runner.release(request_id)
+
+    def _load(self) -> dict[str, int]:
+        stats = self.worker.allocator.stats()
+        return {
+            "free_blocks": stats.num_free + stats.num_cached,
+            "used_blocks": stats.num_used,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting) + len(self.reservations.waiting),
+            "reserved": len(self.reservations.reserved),
+            "queued_tokens": sum(s.num_pending_tokens for s in self.scheduler.waiting),
+        }

@@ -1,0 +1,184 @@
+"""The transfer interface: per-request state, its state machine, and the sender/receiver ABCs.
+
+Pure Python: torch appears only in type hints, so the state machine imports without it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"  # announced (sender: begin, receiver: expect), no layer yet
+    IN_FLIGHT = "in_flight"  # at least one layer sent / written
+    DONE = "done"  # every layer and the completion notice went through
+    FAILED = "failed"  # aborted, malformed, incomplete or past its deadline; see `error`
+
+
+_LEGAL: dict[TransferState, frozenset[TransferState]] = {
+    TransferState.PENDING: frozenset({TransferState.IN_FLIGHT, TransferState.FAILED}),
+    TransferState.IN_FLIGHT: frozenset({TransferState.DONE, TransferState.FAILED}),
+    TransferState.DONE: frozenset(),
+    TransferState.FAILED: frozenset(),
+}
+
+
+@dataclass
+class Transfer:
+    """One request's transfer as seen by one side (sender or receiver)."""
+
+    request_id: str
+    block_ids: list[int]  # sender: source blocks; receiver: reserved destination blocks
+    num_layers: int
+    deadline: float  # time.monotonic() value after which the transfer fails
+    state: TransferState = TransferState.PENDING
+    layers_done: int = 0  # layers sent (sender) or written into the pool (receiver)
+    error: str | None = None
+    metadata: dict[str, Any] | None = None  # receiver: what the sender attached on completion
+    started_at: float = field(default_factory=time.monotonic)
+    finished_at: float | None = None
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.state in (TransferState.DONE, TransferState.FAILED)
+
+    def move_to(self, state: TransferState, error: str | None = None) -> None:
+        """Take one legal step of the state machine; anything else is a bug and raises."""
+        if state not in _LEGAL[self.state]:
+            raise ValueError(
+                f"transfer {self.request_id!r}: illegal transition {self.state.name} -> {state.name}"
+            )
+        self.state = state
+        if error is not None:
+            self.error = error
+        if self.is_terminal:
+            self.finished_at = time.monotonic()
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    transport: str = "zmq"
+    deadline_s: float = 30.0  # from begin()/expect() to the completion notice
+    fail_rate: float = 0.0  # tests: fraction of transfers the sender fails on purpose
+    seed: int = 0  # seeds the sender's failure-injection RNG
+
+    def __post_init__(self) -> None:
+        if not self.deadline_s > 0:
+            raise ValueError(f"deadline_s must be > 0, got {self.deadline_s}")
+        if not 0.0 <= self.fail_rate <= 1.0:
+            raise ValueError(f"fail_rate must be in [0, 1], got {self.fail_rate}")
+
+
+class KVSender(ABC):
+    """Prefill side: ships a request's KV blocks, layer by layer, into a receiver's pool.
+
+    Ownership: the caller keeps the source blocks allocated and unmodified from begin() until
+    poll() has reported the transfer terminal (or until abort() returned), then frees them. After
+    that the sender never reads them again. All methods are called from one thread.
+
+    A transfer that fails (deadline, injected failure, full send queue, unreachable receiver) is
+    reported by poll(); send_layer()/complete() on it are then no-ops, and abort() on a request
+    the sender no longer knows is a no-op too, so failure paths need no bookkeeping of their own.
+    """
+
+    @abstractmethod
+    def __init__(self, pool: torch.Tensor, config: TransferConfig) -> None:
+        """`pool` is the prefill node's KV pool, [num_layers, 2, num_blocks, block_size, heads, dim]."""
+
+    @abstractmethod
+    def begin(
+        self,
+        request_id: str,
+        dest_address: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+    ) -> Transfer:
+        """Start a transfer (PENDING). ValueError if the id is already active, the block lists
+        differ in length, or a source block is outside the pool."""
+
+    @abstractmethod
+    def send_layer(self, request_id: str, layer: int) -> None:
+        """Ship one layer's K and V of the request's blocks (once per layer, any order).
+
+        The layer's KV must be final when this is called. ValueError for an unknown request,
+        a layer out of range or sent twice."""
+
+    @abstractmethod
+    def complete(self, request_id: str, metadata: dict[str, Any]) -> None:
+        """After every layer: send the completion notice carrying msgpack-able `metadata`.
+
+        ValueError if layers are missing or `metadata` cannot be packed."""
+
+    @abstractmethod
+    def abort(self, request_id: str, reason: str) -> None:
+        """Tell the receiver to drop the request; local state FAILED (reported by poll)."""
+
+    @abstractmethod
+    def poll(self) -> list[Transfer]:
+        """Transfers that became terminal since the last poll, which forgets them.
+
+        Also fails (and aborts on the receiver) transfers past their deadline."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release sockets; unsent frames are dropped. Idempotent."""
+
+    def __enter__(self) -> KVSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class KVReceiver(ABC):
+    """Decode side: writes arriving KV into the blocks it reserved in its own pool.
+
+    Ownership: the caller allocates the destination blocks before expect() and frees them
+    only after poll() reported the transfer FAILED or after cancel(); on DONE they belong to
+    the request. expect() must happen before the sender learns the address and block ids
+    (i.e. before the reservation is sent), since frames for unexpected requests are dropped.
+    poll() never raises because of what arrives: a bad frame fails its transfer or is dropped.
+    Layers are written on the calling thread's current CUDA stream (a plain copy on CPU), so
+    work queued after poll() on that stream sees them. All methods are called from one thread.
+    """
+
+    address: str  # what senders pass as dest_address (the real port when bound to port 0)
+
+    @abstractmethod
+    def __init__(self, pool: torch.Tensor, config: TransferConfig, bind_address: str) -> None:
+        """`pool` is the decode node's KV pool; bind to `bind_address` at once."""
+
+    @abstractmethod
+    def expect(self, request_id: str, block_ids: list[int]) -> Transfer:
+        """Register the blocks reserved for a request (PENDING); its deadline starts now.
+
+        ValueError if the id is already expected or a block is outside the pool or repeated."""
+
+    @abstractmethod
+    def poll(self, timeout_s: float = 0.0) -> list[Transfer]:
+        """Process arrived frames; return transfers that became terminal since the last poll.
+
+        DONE carries `.metadata`; FAILED carries `.error` (sender abort, malformed or mismatched
+        frame, incomplete on completion, deadline passed). Waits up to `timeout_s` only while
+        there is nothing to return."""
+
+    @abstractmethod
+    def cancel(self, request_id: str) -> None:
+        """The request was aborted locally: forget it; later frames for it are dropped."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Unbind. Idempotent."""
+
+    def __enter__(self) -> KVReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

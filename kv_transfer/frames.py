@@ -1,0 +1,92 @@
+"""Headers of the frames a sender puts on the wire, with one msgpack codec (no torch).
+
+A header is `{"kind": ..., **fields}`. A "layer" header is followed by one payload frame with
+the layer's K and V of the request's blocks; "complete" and "abort" travel alone. Decoding
+checks every field's type, so what reaches the receiver's logic is well-typed; whether it fits
+the expected transfer and the pool is the receiver's check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from common.messages import MessageError, from_fields
+
+MAX_HEADER_BYTES = 16 << 20  # a header is block ids plus small metadata; refuse anything huge
+
+
+@dataclass(frozen=True)
+class LayerHeader:
+    request_id: str
+    layer: int
+    block_ids: list[int]  # destination blocks, equal to the receiver's reservation
+    dtype: str  # str(torch dtype) of the payload, e.g. "torch.bfloat16"
+    shape: list[int]  # [2, len(block_ids), block_size, num_kv_heads, head_dim]
+
+
+@dataclass(frozen=True)
+class CompleteHeader:
+    request_id: str
+    metadata: dict[str, Any]  # msgpack-able, str keys (first token, timing, ...)
+
+
+@dataclass(frozen=True)
+class AbortHeader:
+    request_id: str
+    reason: str
+
+
+Header = LayerHeader | CompleteHeader | AbortHeader
+
+KINDS: dict[str, type] = {"layer": LayerHeader, "complete": CompleteHeader, "abort": AbortHeader}
+_KIND_OF: dict[type, str] = {cls: kind for kind, cls in KINDS.items()}
+
+
+class FrameError(ValueError):
+    """A frame that cannot be used; `request_id` is set when the header named one."""
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+def encode_header(header: Header) -> bytes:
+    """ValueError if a field (the metadata, in practice) would not decode on the other side."""
+    try:
+        frame = msgpack.packb(
+            {"kind": _KIND_OF[type(header)], **dataclasses.asdict(header)}, use_bin_type=True
+        )
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"{type(header).__name__} is not msgpack-able: {exc}") from None
+    if isinstance(header, CompleteHeader):  # free-form metadata: refuse here what the peer would
+        try:
+            decode_header(frame)
+        except FrameError as exc:
+            raise ValueError(f"metadata does not survive msgpack: {exc}") from None
+    return frame
+
+
+def decode_header(frame: bytes) -> Header:
+    """Raises FrameError, never anything else."""
+    if len(frame) > MAX_HEADER_BYTES:
+        raise FrameError(f"header of {len(frame)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        raw = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise FrameError(f"undecodable header: {type(exc).__name__}") from None
+    if not isinstance(raw, dict):
+        raise FrameError("header is not a map")
+    request_id = raw.get("request_id")
+    request_id = request_id if isinstance(request_id, str) else None
+    kind = raw.pop("kind", None)
+    cls = KINDS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise FrameError("unknown header kind", request_id)
+    try:
+        return from_fields(cls, raw)
+    except MessageError as exc:
+        raise FrameError(str(exc), request_id) from None

@@ -1,0 +1,234 @@
+"""Per-request bookkeeping every transport shares: who is in flight, what arrived, what expired.
+
+Pure Python (no torch): transports decide how bytes move, the ledgers decide whether a call or a
+frame is legal and drive each Transfer through its state machine. Terminal transfers leave the
+active table at once (so late frames for them are simply unknown) and wait in a list until the
+next drain(), which is what poll() returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+
+from kv_transfer.base import Transfer, TransferConfig, TransferState
+from kv_transfer.frames import LayerHeader
+
+log = logging.getLogger(__name__)
+
+INJECTED_FAILURE = "injected failure"
+DEADLINE_EXCEEDED = "deadline exceeded"
+
+
+class _HasTransfer(Protocol):
+    transfer: Transfer
+
+
+E = TypeVar("E", bound=_HasTransfer)
+
+
+class TransferTable(Generic[E]):
+    """Active entries by request id, plus transfers turned terminal since the last drain()."""
+
+    def __init__(self) -> None:
+        self._active: dict[str, E] = {}
+        self._finished: list[Transfer] = []
+
+    def add(self, entry: E) -> None:
+        request_id = entry.transfer.request_id
+        if request_id in self._active:
+            raise ValueError(f"transfer {request_id!r} is already active")
+        self._active[request_id] = entry
+
+    def get(self, request_id: str) -> E | None:
+        return self._active.get(request_id)
+
+    def is_unreported(self, request_id: str) -> bool:
+        """Terminal but not drained yet."""
+        return any(t.request_id == request_id for t in self._finished)
+
+    def finish(self, request_id: str, state: TransferState, error: str | None = None) -> E | None:
+        entry = self._active.get(request_id)
+        if entry is not None:
+            entry.transfer.move_to(state, error)  # raises before anything changed if illegal
+            del self._active[request_id]
+            self._finished.append(entry.transfer)
+        return entry
+
+    def forget(self, request_id: str) -> None:
+        self._active.pop(request_id, None)
+        self._finished = [t for t in self._finished if t.request_id != request_id]
+
+    def overdue(self, now: float) -> list[E]:
+        """Active entries past their deadline (the transport fails them its own way)."""
+        return [e for e in self._active.values() if now >= e.transfer.deadline]
+
+    def drain(self) -> list[Transfer]:
+        finished, self._finished = self._finished, []
+        return finished
+
+    @property
+    def has_finished(self) -> bool:
+        return bool(self._finished)
+
+    def next_deadline(self) -> float | None:
+        return min((e.transfer.deadline for e in self._active.values()), default=None)
+
+
+def _check_block_ids(what: str, block_ids: list[int], num_blocks: int | None) -> None:
+    """Ints in [0, num_blocks) (only >= 0 when the pool is remote), no repeats."""
+    limit = num_blocks if num_blocks is not None else float("inf")
+    bad = [
+        b for b in block_ids if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < limit
+    ]
+    if bad:
+        raise ValueError(f"{what} block ids {bad[:8]} outside [0, {num_blocks or 'inf'})")
+    if len(set(block_ids)) != len(block_ids):
+        raise ValueError(f"{what} block ids repeat: {block_ids}")
+
+
+@dataclass
+class Outgoing:
+    transfer: Transfer  # block_ids are the source blocks
+    dest_address: str
+    dst_block_ids: list[int]
+    doomed: bool  # picked by failure injection: aborts at its first send_layer
+    layers: set[int] = field(default_factory=set)  # sent
+
+
+class SenderLedger:
+    """The sender's side of every transfer; the transport calls it before moving bytes."""
+
+    def __init__(self, config: TransferConfig, num_layers: int, num_blocks: int) -> None:
+        self.config = config
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.table: TransferTable[Outgoing] = TransferTable()
+        self._rng = random.Random(config.seed)  # failure injection, deterministic per sender
+
+    def begin(
+        self, request_id: str, dest_address: str, src_block_ids: list[int], dst_block_ids: list[int]
+    ) -> Outgoing:
+        if len(src_block_ids) != len(dst_block_ids):
+            raise ValueError(
+                f"transfer {request_id!r}: {len(src_block_ids)} source blocks, "
+                f"{len(dst_block_ids)} destination blocks"
+            )
+        if not src_block_ids:
+            raise ValueError(f"transfer {request_id!r}: no blocks")
+        _check_block_ids("source", list(src_block_ids), self.num_blocks)
+        _check_block_ids("destination", list(dst_block_ids), None)
+        doomed = self.config.fail_rate > 0 and self._rng.random() < self.config.fail_rate
+        transfer = Transfer(
+            request_id,
+            list(src_block_ids),
+            self.num_layers,
+            deadline=time.monotonic() + self.config.deadline_s,
+        )
+        entry = Outgoing(transfer, dest_address, list(dst_block_ids), doomed)
+        self.table.add(entry)
+        return entry
+
+    def lookup(self, request_id: str) -> Outgoing | None:
+        """The active entry; None if it already turned terminal (the caller learns from poll)."""
+        entry = self.table.get(request_id)
+        if entry is None and not self.table.is_unreported(request_id):
+            raise ValueError(f"no transfer {request_id!r} (never begun, or already polled)")
+        return entry
+
+    def check_layer(self, entry: Outgoing, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} outside [0, {self.num_layers})")
+        if layer in entry.layers:
+            raise ValueError(f"transfer {entry.transfer.request_id!r}: layer {layer} sent twice")
+
+    def check_complete(self, entry: Outgoing) -> None:
+        missing = sorted(set(range(self.num_layers)) - entry.layers)
+        if missing:
+            raise ValueError(
+                f"transfer {entry.transfer.request_id!r}: layers {missing} not sent before complete"
+            )
+
+    def layer_sent(self, entry: Outgoing, layer: int) -> None:
+        entry.layers.add(layer)
+        entry.transfer.layers_done = len(entry.layers)
+        if entry.transfer.state is TransferState.PENDING:
+            entry.transfer.move_to(TransferState.IN_FLIGHT)
+
+
+@dataclass
+class Incoming:
+    transfer: Transfer  # block_ids are the reserved destination blocks
+    layers: set[int] = field(default_factory=set)  # written into the pool
+
+
+class ReceiverLedger:
+    """The receiver's side: validates each frame against what was reserved, in arrival order."""
+
+    def __init__(self, config: TransferConfig, num_layers: int, num_blocks: int) -> None:
+        self.config = config
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.table: TransferTable[Incoming] = TransferTable()
+
+    def expect(self, request_id: str, block_ids: list[int]) -> Transfer:
+        if not block_ids:
+            raise ValueError(f"transfer {request_id!r}: no blocks reserved")
+        _check_block_ids("reserved", list(block_ids), self.num_blocks)
+        transfer = Transfer(
+            request_id,
+            list(block_ids),
+            self.num_layers,
+            deadline=time.monotonic() + self.config.deadline_s,
+        )
+        self.table.add(Incoming(transfer))
+        return transfer
+
+    def accept_layer(self, header: LayerHeader) -> Incoming | None:
+        """The entry to write into, or None when the frame is dropped or fails its transfer."""
+        entry = self._known(header.request_id, "layer")
+        if entry is None:
+            return None
+        if not 0 <= header.layer < self.num_layers:
+            self.fail(header.request_id, f"layer {header.layer} outside [0, {self.num_layers})")
+        elif header.layer in entry.layers:
+            self.fail(header.request_id, f"layer {header.layer} arrived twice")
+        elif header.block_ids != entry.transfer.block_ids:
+            self.fail(header.request_id, "block ids differ from the reservation")
+        else:
+            return entry
+        return None
+
+    def layer_written(self, entry: Incoming, layer: int) -> None:
+        entry.layers.add(layer)
+        entry.transfer.layers_done = len(entry.layers)
+        if entry.transfer.state is TransferState.PENDING:
+            entry.transfer.move_to(TransferState.IN_FLIGHT)
+
+    def complete(self, request_id: str, metadata: dict[str, Any]) -> None:
+        entry = self._known(request_id, "complete")
+        if entry is None:
+            return
+        missing = self.num_layers - len(entry.layers)
+        if missing:
+            self.fail(request_id, f"incomplete: {missing} of {self.num_layers} layers missing")
+            return
+        entry.transfer.metadata = metadata
+        self.table.finish(request_id, TransferState.DONE)
+
+    def abort(self, request_id: str, reason: str) -> None:
+        if self._known(request_id, "abort") is not None:
+            self.fail(request_id, f"aborted by sender: {reason}")
+
+    def fail(self, request_id: str, error: str) -> None:
+        if self.table.finish(request_id, TransferState.FAILED, error) is not None:
+            log.debug("transfer %s failed: %s", request_id, error)
+
+    def _known(self, request_id: str, kind: str) -> Incoming | None:
+        entry = self.table.get(request_id)
+        if entry is None:
+            log.debug("dropped %s frame for unexpected request %r", kind, request_id)
+        return entry

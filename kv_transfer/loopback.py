@@ -1,0 +1,184 @@
+"""In-process transport for tests: same state machine and validation as ZMQ, no sockets.
+
+A receiver registers itself under its bind address `loopback://NAME`. The sender copies each
+layer straight from its pool into the receiver's pool (after the receiver validated the frame
+against its reservation, under the receiver's lock), and delivers completion and abort notices
+as encoded headers through the receiver's inbox, which the receiver decodes in poll() exactly
+as it would a ZMQ frame. Sender and receiver may live in different threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import torch
+
+from kv_transfer.base import KVReceiver, KVSender, Transfer, TransferConfig, TransferState
+from kv_transfer.frames import (
+    AbortHeader,
+    CompleteHeader,
+    FrameError,
+    LayerHeader,
+    decode_header,
+    encode_header,
+)
+from kv_transfer.ledger import (
+    DEADLINE_EXCEEDED,
+    INJECTED_FAILURE,
+    Outgoing,
+    ReceiverLedger,
+    SenderLedger,
+)
+from kv_transfer.pool_io import gather_layer, payload_error, scatter_layer
+
+SCHEME = "loopback://"
+
+_RECEIVERS: dict[str, LoopbackReceiver] = {}
+_RECEIVERS_LOCK = threading.Lock()
+
+
+class LoopbackReceiver(KVReceiver):
+    def __init__(self, pool: torch.Tensor, config: TransferConfig, bind_address: str) -> None:
+        if not bind_address.startswith(SCHEME) or bind_address == SCHEME:
+            raise ValueError(f"loopback address must look like {SCHEME}NAME, got {bind_address!r}")
+        self._pool = pool
+        self._ledger = ReceiverLedger(config, num_layers=pool.shape[0], num_blocks=pool.shape[2])
+        self._cond = threading.Condition()  # guards the ledger, the pool writes and the inbox
+        self._inbox: deque[bytes] = deque()
+        with _RECEIVERS_LOCK:
+            if bind_address in _RECEIVERS:
+                raise ValueError(f"loopback address {bind_address!r} is already bound")
+            _RECEIVERS[bind_address] = self
+        self.address = bind_address
+
+    def expect(self, request_id: str, block_ids: list[int]) -> Transfer:
+        with self._cond:
+            return self._ledger.expect(request_id, block_ids)
+
+    def poll(self, timeout_s: float = 0.0) -> list[Transfer]:
+        with self._cond:
+            self._process_inbox()
+            table = self._ledger.table
+            if timeout_s > 0 and not table.has_finished:
+                until = time.monotonic() + timeout_s
+                next_deadline = table.next_deadline()
+                if next_deadline is not None:
+                    until = min(until, next_deadline)
+                self._cond.wait(max(0.0, until - time.monotonic()))
+                self._process_inbox()
+            return table.drain()
+
+    def cancel(self, request_id: str) -> None:
+        with self._cond:
+            self._ledger.table.forget(request_id)
+
+    def close(self) -> None:
+        with _RECEIVERS_LOCK:
+            if _RECEIVERS.get(self.address) is self:
+                del _RECEIVERS[self.address]
+
+    # -- called by LoopbackSender -----------------------------------------------------------
+    def write_layer(self, header: LayerHeader, payload: torch.Tensor) -> None:
+        """Validate a layer against the reservation and copy it into the pool."""
+        with self._cond:
+            entry = self._ledger.accept_layer(header)
+            if entry is not None:
+                error = payload_error(self._pool, header, payload.numel() * payload.element_size())
+                if error is not None:
+                    self._ledger.fail(header.request_id, error)
+                else:
+                    scatter_layer(self._pool, header.layer, header.block_ids, payload)
+                    self._ledger.layer_written(entry, header.layer)
+            self._cond.notify_all()
+
+    def deliver(self, frame: bytes) -> None:
+        """Queue an encoded completion or abort header for the next poll()."""
+        with self._cond:
+            self._inbox.append(frame)
+            self._cond.notify_all()
+
+    # -- internals --------------------------------------------------------------------------
+    def _process_inbox(self) -> None:
+        while self._inbox:
+            try:
+                header = decode_header(self._inbox.popleft())
+            except FrameError as exc:
+                if exc.request_id is not None:
+                    self._ledger.fail(exc.request_id, f"malformed frame: {exc}")
+                continue
+            if isinstance(header, CompleteHeader):
+                self._ledger.complete(header.request_id, header.metadata)
+            elif isinstance(header, AbortHeader):
+                self._ledger.abort(header.request_id, header.reason)
+            else:
+                self._ledger.fail(header.request_id, "layer frame without payload")
+        for entry in self._ledger.table.overdue(time.monotonic()):
+            self._ledger.fail(entry.transfer.request_id, DEADLINE_EXCEEDED)
+
+
+class LoopbackSender(KVSender):
+    def __init__(self, pool: torch.Tensor, config: TransferConfig) -> None:
+        self._pool = pool
+        self._ledger = SenderLedger(config, num_layers=pool.shape[0], num_blocks=pool.shape[2])
+
+    def begin(
+        self,
+        request_id: str,
+        dest_address: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+    ) -> Transfer:
+        return self._ledger.begin(request_id, dest_address, src_block_ids, dst_block_ids).transfer
+
+    def send_layer(self, request_id: str, layer: int) -> None:
+        entry = self._ledger.lookup(request_id)
+        if entry is None:
+            return
+        self._ledger.check_layer(entry, layer)
+        receiver = _RECEIVERS.get(entry.dest_address)
+        if entry.doomed or receiver is None:
+            reason = INJECTED_FAILURE if entry.doomed else f"no receiver at {entry.dest_address}"
+            self._fail(entry, reason)
+            return
+        payload = gather_layer(self._pool, layer, entry.transfer.block_ids)
+        header = LayerHeader(
+            request_id, layer, entry.dst_block_ids, str(payload.dtype), list(payload.shape)
+        )
+        receiver.write_layer(header, payload)
+        self._ledger.layer_sent(entry, layer)
+
+    def complete(self, request_id: str, metadata: dict[str, Any]) -> None:
+        entry = self._ledger.lookup(request_id)
+        if entry is None:
+            return
+        self._ledger.check_complete(entry)
+        frame = encode_header(CompleteHeader(request_id, metadata))
+        receiver = _RECEIVERS.get(entry.dest_address)
+        if receiver is None:
+            self._fail(entry, f"no receiver at {entry.dest_address}")
+            return
+        receiver.deliver(frame)
+        self._ledger.table.finish(request_id, TransferState.DONE)
+
+    def abort(self, request_id: str, reason: str) -> None:
+        entry = self._ledger.table.get(request_id)
+        if entry is not None:
+            self._fail(entry, reason)
+
+    def poll(self) -> list[Transfer]:
+        for entry in self._ledger.table.overdue(time.monotonic()):
+            self._fail(entry, DEADLINE_EXCEEDED)
+        return self._ledger.table.drain()
+
+    def close(self) -> None:
+        pass  # nothing held: receivers belong to their owners
+
+    def _fail(self, entry: Outgoing, reason: str) -> None:
+        request_id = entry.transfer.request_id
+        self._ledger.table.finish(request_id, TransferState.FAILED, reason)
+        receiver = _RECEIVERS.get(entry.dest_address)
+        if receiver is not None:
+            receiver.deliver(encode_header(AbortHeader(request_id, reason)))

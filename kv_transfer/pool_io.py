@@ -1,0 +1,96 @@
+"""One layer's K and V of a set of blocks, out of and into a KV pool.
+
+The pool is `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`; a layer payload
+is `pool[layer][:, block_ids]`, shape `[2, n, block_size, num_kv_heads, head_dim]`, contiguous.
+Device-agnostic: on CUDA the gather runs on the GPU and the host copy is asynchronous
+(HostStager); the write side copies host to device before scattering.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+
+from kv_transfer.frames import LayerHeader
+
+
+def layer_shape(pool: torch.Tensor, num_blocks: int) -> list[int]:
+    return [2, num_blocks, *pool.shape[3:]]
+
+
+def _index(pool: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+    return torch.tensor(block_ids, dtype=torch.long, device=pool.device)
+
+
+def gather_layer(pool: torch.Tensor, layer: int, block_ids: list[int]) -> torch.Tensor:
+    """A contiguous copy of the layer's K and V of `block_ids`, on the pool's device."""
+    return pool[layer].index_select(1, _index(pool, block_ids))
+
+
+def scatter_layer(
+    pool: torch.Tensor, layer: int, block_ids: list[int], payload: torch.Tensor
+) -> None:
+    """Write a payload (any device, same dtype and layer_shape) into the layer's `block_ids`."""
+    pool[layer].index_copy_(1, _index(pool, block_ids), payload.to(pool.device))
+
+
+def payload_error(pool: torch.Tensor, header: LayerHeader, nbytes: int) -> str | None:
+    """Why a layer payload cannot be written into `pool`, or None if it fits."""
+    if header.dtype != str(pool.dtype):
+        return f"dtype {header.dtype} differs from the pool's {pool.dtype}"
+    expected = layer_shape(pool, len(header.block_ids))
+    if header.shape != expected:
+        return f"shape {header.shape} differs from the expected {expected}"
+    expected_bytes = math.prod(expected) * pool.element_size()
+    if nbytes != expected_bytes:
+        return f"payload of {nbytes} bytes, expected {expected_bytes}"
+    return None
+
+
+def as_bytes(payload: torch.Tensor) -> Any:
+    """A zero-copy uint8 numpy view of a contiguous CPU tensor (bf16 has no numpy dtype).
+
+    The array keeps the tensor alive, so it can be handed to zmq with copy=False."""
+    return payload.view(torch.uint8).reshape(-1).numpy()
+
+
+def from_bytes(buffer: memoryview, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """A tensor over a received buffer, without a copy; only ever read from."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only buffers warn; we never write
+        flat = torch.frombuffer(buffer, dtype=torch.uint8)
+    return flat.view(dtype).view(shape)
+
+
+class HostStager:
+    """Gathers a layer into host memory: synchronously on CPU; on CUDA on a side stream.
+
+    On CUDA the side stream first waits for everything queued so far on the current stream
+    (the layer's KV is final when send_layer is called), then gathers and copies into pinned
+    memory without blocking, so later layers keep computing. The returned event says when the
+    host copy is complete; until then the source blocks are still being read.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def stage(
+        self, pool: torch.Tensor, layer: int, block_ids: list[int]
+    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        if self._stream is None:
+            return gather_layer(pool, layer, block_ids), None
+        self._stream.wait_stream(torch.cuda.current_stream(pool.device))
+        with torch.cuda.stream(self._stream):
+            gathered = gather_layer(pool, layer, block_ids)
+            host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+            host.copy_(gathered, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        return host, ready
+
+    def synchronize(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()

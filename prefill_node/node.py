@@ -1,0 +1,256 @@
+"""The prefill node's event loop: receive, schedule, run, send the first token, ship KV."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+
+from common.config import EngineConfig
+from common.messages import (
+    Abort,
+    FirstToken,
+    PrefillRequest,
+    RequestError,
+    Reservation,
+    ReservationFailed,
+)
+from common.node_channel import NodeChannel, runtime_info
+from common.node_config import NodeConfig
+from common.sampling_params import SamplingParams
+from common.scheduler import Scheduler
+from common.sequence import Sequence
+from common.worker import Worker
+from kv_transfer import TransferConfig, TransferState, create_sender
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillJob:
+    request_id: str
+    arrived_at: float = field(default_factory=time.monotonic)
+    request: PrefillRequest | None = None
+    reserved_blocks: list[int] | None = None
+    seq: Sequence | None = None
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
+    transferring: bool = False
+
+
+class PrefillNode:
+    def __init__(self, node_config: NodeConfig, engine_config: EngineConfig) -> None:
+        self.config = node_config
+        self.worker = Worker(engine_config)
+        self.scheduler = Scheduler(
+            engine_config.scheduler, self.worker.allocator, prefill_only=True
+        )
+        self.sender = create_sender(
+            TransferConfig(
+                transport=node_config.transport,
+                deadline_s=node_config.transfer_deadline_s,
+                fail_rate=node_config.fail_transfer_rate,
+            ),
+            self.worker.kv_cache.pool,
+        )
+        self.channel = NodeChannel(
+            node_config.control_address, node_config.router_address, "prefill"
+        )
+        self.jobs: dict[str, PrefillJob] = {}
+        self.info = runtime_info(self.worker.runtime)
+        self._stopping = False
+
+    # -- loop -------------------------------------------------------------------------------
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        signal.signal(signal.SIGINT, lambda *_: self.stop())
+        log.info("prefill node %s ready", self.channel.node_id)
+        try:
+            while not self._stopping:
+                self.step()
+        finally:
+            self.sender.close()
+            self.channel.close()
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def step(self) -> None:
+        idle = not self.scheduler.has_work()
+        for message in self.channel.receive(timeout_s=0.01 if idle else 0.0):
+            self.handle(message)
+        if self.scheduler.has_work():
+            self._run_batch()
+        self._reap_transfers()
+        self.channel.maybe_heartbeat(self.info, self._load())
+
+    def handle(self, message: object) -> None:
+        if isinstance(message, PrefillRequest):
+            job = self.jobs.setdefault(message.request_id, PrefillJob(message.request_id))
+            job.request = message
+            self._maybe_start(job)
+        elif isinstance(message, Reservation):
+            job = self.jobs.setdefault(message.request_id, PrefillJob(message.request_id))
+            job.reserved_blocks = message.block_ids
+            self._maybe_start(job)
+        elif isinstance(message, ReservationFailed):
+            self._fail(
+                message.request_id, f"decode node could not reserve KV: {message.reason}", 503
+            )
+        elif isinstance(message, Abort):
+            self._abort(message.request_id)
+        else:
+            log.warning("prefill node ignores %s", type(message).__name__)
+
+    # -- request handling -------------------------------------------------------------------
+    def _maybe_start(self, job: PrefillJob) -> None:
+        if job.request is None or job.reserved_blocks is None or job.seq is not None:
+            return
+        req = job.request
+        try:
+            params = SamplingParams(**req.sampling)
+            self.worker_validate(req.prompt_token_ids)
+            seq = Sequence(
+                req.request_id,
+                list(req.prompt_token_ids),
+                params,
+                eos_token_ids=frozenset(self.worker.runtime.eos_token_ids),
+                max_model_len=self.worker.runtime.max_model_len,
+            )
+            needed = self.scheduler.blocks_for(len(req.prompt_token_ids))
+            if needed != len(job.reserved_blocks):
+                raise ValueError(
+                    f"decode node reserved {len(job.reserved_blocks)} blocks, {needed} needed"
+                )
+            self.scheduler.add(seq)
+        except (TypeError, ValueError) as exc:
+            self._fail(req.request_id, str(exc), 400)
+            return
+        job.seq = seq
+
+    def worker_validate(self, prompt: list[int]) -> None:
+        rt = self.worker.runtime
+        if not prompt or len(prompt) >= rt.max_model_len:
+            raise ValueError(f"prompt length {len(prompt)} outside [1, {rt.max_model_len})")
+        if any(not 0 <= t < rt.vocab_size for t in prompt):
+            raise ValueError(f"token id outside [0, {rt.vocab_size})")
+
+    def _run_batch(self) -> None:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return
+        now = time.monotonic()
+        for item in batch.items:
+            job = self.jobs.get(item.seq.request_id)
+            if job is not None and job.scheduled_at is None:
+                job.scheduled_at = now
+        try:
+            sampled = self.worker.runner.execute(batch)
+        except Exception as exc:  # a failed step fails its requests, not the node
+            log.exception("prefill step failed")
+            for item in batch.items:
+                self._fail(item.seq.request_id, f"prefill failed: {exc}", 500)
+            return
+        for seq in self.scheduler.update(batch, sampled):
+            self._first_token_ready(seq)
+
+    def _first_token_ready(self, seq: Sequence) -> None:
+        job = self.jobs[seq.request_id]
+        job.first_token_at = time.monotonic()
+        self.worker.runner.release(seq.request_id)
+        token = seq.output_token_ids[0]
+        top = seq.output_top_logprobs[0] if seq.output_top_logprobs else None
+        timing = {
+            "prefill_queue": job.scheduled_at - job.arrived_at,
+            "prefill_compute": job.first_token_at - job.scheduled_at,
+        }
+        finished = seq.finish_reason is not None
+        self.channel.to_router(
+            FirstToken(
+                request_id=seq.request_id,
+                token_id=token,
+                logprob=seq.output_logprobs[0] if seq.output_logprobs else None,
+                top_logprobs=[[t, lp] for t, lp in top] if top is not None else None,
+                finished=finished,
+                finish_reason=seq.finish_reason.value if finished else None,
+                num_cached_tokens=seq.num_cached_tokens,
+                timing=timing,
+            )
+        )
+        req = job.request
+        if finished:
+            # Nothing to decode: release the decode node's reservation instead of shipping KV.
+            self.channel.to_peer(req.decode_node, Abort(seq.request_id))
+            self._drop(job)
+            return
+        self.sender.begin(
+            seq.request_id, req.decode_kv_address, list(seq.block_ids), job.reserved_blocks
+        )
+        job.transferring = True
+        for layer in range(self.worker.spec.num_layers):
+            self.sender.send_layer(seq.request_id, layer)
+        self.sender.complete(
+            seq.request_id,
+            {
+                "first_token": token,
+                "logprob": seq.output_logprobs[0] if seq.output_logprobs else None,
+                "top_logprobs": [[t, lp] for t, lp in top] if top is not None else None,
+                "timing": timing,
+            },
+        )
+
+    def _reap_transfers(self) -> None:
+        for transfer in self.sender.poll():
+            job = self.jobs.get(transfer.request_id)
+            if job is None:
+                continue
+            if transfer.state is TransferState.FAILED:
+                self._fail(job.request_id, f"KV transfer failed: {transfer.error}", 500)
+            else:
+                self._drop(job)
+
+    # -- endings ----------------------------------------------------------------------------
+    def _abort(self, request_id: str) -> None:
+        job = self.jobs.get(request_id)
+        if job is None:
+            return
+        if job.transferring:
+            self.sender.abort(request_id, "aborted by the router")
+        self._drop(job)
+
+    def _fail(self, request_id: str, message: str, status: int) -> None:
+        job = self.jobs.get(request_id)
+        self.channel.to_router(RequestError(request_id, message, status))
+        if job is not None:
+            if job.request is not None:
+                self.channel.to_peer(job.request.decode_node, Abort(request_id))
+            if job.transferring:
+                self.sender.abort(request_id, message)
+            self._drop(job)
+
+    def _drop(self, job: PrefillJob) -> None:
+        """Forget a job and free its blocks (the one place a prefill node frees them)."""
+        self.jobs.pop(job.request_id, None)
+        self.worker.runner.release(job.request_id)
+        seq = job.seq
+        if seq is None:
+            return
+        if not seq.is_finished:
+            self.scheduler.abort(seq.request_id)  # frees its blocks
+        elif seq.block_ids:
+            self.worker.allocator.free(seq.block_ids)
+            seq.block_ids = []
+
+    def _load(self) -> dict[str, int]:
+        stats = self.worker.allocator.stats()
+        queued = sum(s.num_pending_tokens for s in self.scheduler.waiting)
+        queued += sum(s.num_pending_tokens for s in self.scheduler.running)
+        return {
+            "free_blocks": stats.num_free + stats.num_cached,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting)
+            + sum(1 for j in self.jobs.values() if j.seq is None),
+            "queued_tokens": queued,
+            "transferring": sum(1 for j in self.jobs.values() if j.transferring),
+        }

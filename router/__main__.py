@@ -1,0 +1,37 @@
+"""`python -m router --prefill ADDR[,ADDR] --decode ADDR[,ADDR] ...` (see --help)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+import uvicorn
+
+from router.config import build_parser, config_from_args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    try:
+        config = config_from_args(argv)
+    except ValueError as exc:
+        build_parser().error(str(exc))
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s router %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from router.app import create_app  # after logging is set up: loading the tokenizer logs
+
+    uvicorn.run(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level.lower(),
+        access_log=False,
+        timeout_graceful_shutdown=3,
+    )
+
+
+if __name__ == "__main__":
+    main()

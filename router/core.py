@@ -1,0 +1,198 @@
+"""The router's shared state and its one view of the nodes: registry, load ledger, open
+requests and the link. Everything runs on the event loop thread; nothing here blocks.
+
+Per request: `route` picks the nodes (503 if no healthy path), `dispatch` sends DecodeRequest
+to the decode node, then PrefillRequest to the prefill node, and opens the request's event
+queue; `abort` tells every node of the route to drop it; `release` forgets it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from common.messages import Abort, DecodeRequest, FirstToken, Heartbeat, PrefillRequest
+from router.config import RouterConfig
+from router.errors import OpenAIError
+from router.events import EventRouter, RequestEvent
+from router.metrics import RouterMetrics
+from router.node_link import NodeLink, SendError
+from router.policy import Candidate, LoadLedger, pick_decode, pick_prefill
+from router.prepare import ModelLimits, PreparedRequest
+from router.registry import NodeRegistry, NodeState
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Route:
+    prefill: str | None  # None: the decode node is colocated and prefills itself
+    decode: str
+    decode_kv_address: str | None
+    limits: ModelLimits
+    block_size: int
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return (self.decode,) if self.prefill is None else (self.prefill, self.decode)
+
+
+class RouterCore:
+    def __init__(
+        self,
+        config: RouterConfig,
+        metrics: RouterMetrics,
+        link: NodeLink | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.link = link  # None until the sockets are up (app startup)
+        self.clock = clock
+        self.registry = NodeRegistry(config.prefill, config.decode, config.heartbeat_timeout)
+        self.events = EventRouter()
+        self.ledger = LoadLedger()
+
+    def on_message(self, message: Any) -> None:
+        """Handle one validated message from the events socket."""
+        if isinstance(message, Heartbeat):
+            if self.registry.observe(message, self.clock()):
+                self._lose(message.node_id, "restarted or was silent past the heartbeat timeout")
+            node = self.registry.nodes.get(message.node_id)
+            if node is not None and node.role != "prefill":
+                self.ledger.decode_reported(node.node_id)
+            return
+        if isinstance(message, FirstToken):
+            self.ledger.prefill_done(message.request_id)
+        self.events.deliver(message)
+
+    def sweep(self) -> list[str]:
+        """Fail the requests of nodes that stopped heartbeating; returns those nodes."""
+        dead = self.registry.sweep(self.clock())
+        for node_id in dead:
+            self._lose(node_id, f"no heartbeat for {self.config.heartbeat_timeout} s")
+        return dead
+
+    async def sweep_forever(self) -> None:
+        interval = min(0.25, self.config.heartbeat_timeout / 4)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self.sweep()
+            except Exception:
+                log.exception("liveness sweep failed")
+
+    def route(self) -> Route:
+        if self.link is None:
+            raise OpenAIError(503, "the router is starting up")
+        now = self.clock()
+        if self.registry.colocated:
+            decode_role, prefills = "colocated", []
+        else:
+            decode_role, prefills = "decode", self.registry.healthy("prefill", now)
+            if not prefills:
+                raise OpenAIError(
+                    503, "no healthy prefill node (none has sent a heartbeat in time)"
+                )
+        decodes = self.registry.healthy(decode_role, now)
+        if not decodes:
+            raise OpenAIError(
+                503, f"no healthy {decode_role} node (none has sent a heartbeat in time)"
+            )
+        decode = self._choose(pick_decode([self._decode_candidate(n) for n in decodes]))
+        prefill = None
+        if prefills:
+            prefill = self._choose(pick_prefill([self._prefill_candidate(n) for n in prefills]))
+        chosen = [n for n in (prefill, decode) if n is not None]
+        limits = ModelLimits(
+            max_model_len=min(n.info["max_model_len"] for n in chosen),
+            vocab_size=min(n.info["vocab_size"] for n in chosen),
+        )
+        size = decode.info.get("block_size")
+        block_size = size if isinstance(size, int) and size > 0 else DEFAULT_BLOCK_SIZE
+        return Route(
+            prefill=None if prefill is None else prefill.node_id,
+            decode=decode.node_id,
+            decode_kv_address=decode.info.get("kv_address"),
+            limits=limits,
+            block_size=block_size,
+        )
+
+    def dispatch(
+        self, request_id: str, prepared: PreparedRequest, route: Route
+    ) -> asyncio.Queue[RequestEvent]:
+        """Send the request to its nodes and open its event queue; a send failure is a 503."""
+        assert self.link is not None, "route() refuses to run before the link exists"
+        ids = prepared.prompt_token_ids
+        sampling = dataclasses.asdict(prepared.params)
+        queue = self.events.open(request_id, route.nodes)
+        try:
+            self.link.send(route.decode, DecodeRequest(request_id, ids, sampling, route.prefill))
+            if route.prefill is not None:
+                assert route.decode_kv_address is not None, "registry requires kv_address in PD"
+                self.link.send(
+                    route.prefill,
+                    PrefillRequest(
+                        request_id, ids, sampling, route.decode, route.decode_kv_address
+                    ),
+                )
+        except SendError as exc:
+            self.abort(request_id, route)
+            self.events.close(request_id)
+            raise OpenAIError(503, str(exc)) from None
+        blocks = -(-len(ids) // route.block_size)
+        self.ledger.sent(request_id, route.prefill, len(ids), route.decode, blocks)
+        self.metrics.running.inc()
+        self.metrics.prompt_tokens.inc(len(ids))
+        return queue
+
+    def abort(self, request_id: str, route: Route) -> None:
+        """Best effort: a node that cannot be reached is dead or about to be declared so."""
+        if self.link is None:
+            return
+        for node_id in route.nodes:
+            try:
+                self.link.send(node_id, Abort(request_id))
+            except SendError as exc:
+                log.warning("abort of %s not delivered: %s", request_id, exc)
+
+    def release(self, request_id: str) -> None:
+        """Forget a request; events that still arrive for it are dropped. Idempotent."""
+        if request_id in self.events:
+            self.events.close(request_id)
+            self.ledger.release(request_id)
+            self.metrics.running.inc(-1)
+
+    def update_node_gauges(self) -> None:
+        now = self.clock()
+        for node in self.registry.nodes.values():
+            healthy = node.healthy(now, self.registry.timeout)
+            self.metrics.node_healthy.set(1 if healthy else 0, node=node.node_id, role=node.role)
+
+    def _choose(self, node_id: str | None) -> NodeState:
+        assert node_id is not None, "the policy got a non-empty candidate list"
+        return self.registry.nodes[node_id]
+
+    def _decode_candidate(self, node: NodeState) -> Candidate:
+        blocks, count = self.ledger.decode_pending(node.node_id)
+        return Candidate(
+            node.node_id,
+            free_blocks=node.load_value("free_blocks") - blocks,
+            running=node.load_value("running") + count,
+        )
+
+    def _prefill_candidate(self, node: NodeState) -> Candidate:
+        queued = node.load_value("queued_tokens") + self.ledger.prefill_tokens(node.node_id)
+        return Candidate(node.node_id, queued_tokens=queued)
+
+    def _lose(self, node_id: str, reason: str) -> None:
+        failed = self.events.node_lost(node_id, reason)
+        if failed:
+            log.error("node %s lost (%s): failing %d requests", node_id, reason, len(failed))

@@ -1,0 +1,217 @@
+"""One dispatched request, from its first event to its end: the router's half of the lifecycle.
+
+`deltas()` turns node events into client-visible `Delta`s: text released by the incremental
+detokenizer, the tokens behind it (with logprobs), and the finish reason. The router ends a
+request early on a stop string or when `max_tokens` is reached without the node noticing, and
+then tells the nodes to abort. A node error, a lost node or the deadline raise `OpenAIError`.
+`close()` must run exactly once at the end whatever happened (the HTTP layer guarantees it): it
+aborts the request on the nodes unless a node finished it, forgets it, and records metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.detokenizer import IncrementalDetokenizer
+from common.messages import FirstToken, RequestError, TokenOutput
+from router.core import Route, RouterCore
+from router.errors import OpenAIError
+from router.events import NodeLost, RequestEvent
+from router.prepare import PreparedRequest
+from router.timing import TimingMarks, TimingRecord, assemble
+
+CLIENT_GONE = 499
+
+
+@dataclass(frozen=True)
+class TokenPiece:
+    token_id: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] | None = None  # (token id, logprob), most likely first
+
+
+@dataclass
+class Delta:
+    text: str
+    pieces: list[TokenPiece] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class _NoText:
+    """Stands in for the detokenizer when the model ships no tokenizer: token ids only."""
+
+    stopped_on = None
+
+    def add(self, token_ids: list[int]) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+class Session:
+    def __init__(
+        self,
+        core: RouterCore,
+        request_id: str,
+        prepared: PreparedRequest,
+        route: Route,
+        queue: asyncio.Queue[RequestEvent],
+        marks: TimingMarks,
+        tokenizer: Any,
+    ) -> None:
+        self.core = core
+        self.request_id = request_id
+        self.prepared = prepared
+        self.route = route
+        self.queue = queue
+        self.marks = marks
+        self.deadline = marks.arrival + core.config.request_timeout
+        stop = prepared.params.stop
+        self.detok = (
+            IncrementalDetokenizer(tokenizer, prepared.prompt_token_ids, stop)
+            if tokenizer is not None
+            else _NoText()
+        )
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.status: int | None = None  # final status once known (200, an error, or 499)
+        self._first_seen = route.prefill is None  # PD: decode outputs wait for the FirstToken
+        self._early: list[TokenOutput] = []
+        self._nodes_done = False  # a node finished the request: nothing to abort
+        self._closed = False
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        try:
+            while self.finish_reason is None:
+                delta = self._handle(await self._next())
+                if delta is not None:
+                    yield delta
+        except OpenAIError as exc:
+            self.status = exc.status
+            raise
+
+    def usage(self) -> dict[str, int]:
+        prompt = len(self.prepared.prompt_token_ids)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": prompt + self.completion_tokens,
+        }
+
+    def timing(self) -> TimingRecord:
+        return assemble(self.marks, self.core.clock())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.status is None:
+            self.status = CLIENT_GONE
+        if not self._nodes_done:
+            self.core.abort(self.request_id, self.route)
+        self.core.release(self.request_id)
+        self.core.metrics.request_done(self.status, self.timing(), self.completion_tokens)
+
+    async def _next(self) -> RequestEvent:
+        if not self.queue.empty():
+            return self.queue.get_nowait()
+        remaining = self.deadline - self.core.clock()
+        try:
+            if remaining <= 0:
+                raise asyncio.TimeoutError
+            return await asyncio.wait_for(self.queue.get(), remaining)
+        except asyncio.TimeoutError:
+            timeout = self.core.config.request_timeout
+            raise OpenAIError(504, f"the request did not finish within {timeout} s") from None
+
+    def _handle(self, event: RequestEvent) -> Delta | None:
+        if isinstance(event, NodeLost):
+            raise OpenAIError(503, f"node {event.node_id} failed: {event.reason}")
+        if isinstance(event, RequestError):
+            status = event.status if 400 <= event.status <= 599 else 500
+            raise OpenAIError(status, event.message)
+        batches: list[tuple[list[TokenPiece], bool, str | None]] = []
+        if isinstance(event, FirstToken):
+            self.marks.merge_node_timing(event.timing)
+            self._first_seen = True
+            first = TokenPiece(event.token_id, event.logprob, _pairs(event.top_logprobs))
+            batches.append(([first], event.finished, event.finish_reason))
+            batches += [(_pieces(o), o.finished, o.finish_reason) for o in self._early]
+            self._early.clear()
+        else:
+            self.marks.merge_node_timing(event.timing)
+            if not self._first_seen:
+                self._early.append(event)  # overtook the prefill node's first token
+                return None
+            if self.route.prefill is not None:
+                # The decode node runs on its own now: losing the prefill node is harmless.
+                self.core.events.forget_node(self.request_id, self.route.prefill)
+            batches.append((_pieces(event), event.finished, event.finish_reason))
+        if any(pieces for pieces, _, _ in batches):
+            self.marks.tokens_arrived(self.core.clock())
+        delta = Delta("")
+        for pieces, finished, reason in batches:
+            text, accepted = self._accept(pieces, finished, reason)
+            delta.text += text
+            delta.pieces += accepted
+        delta.finish_reason = self.finish_reason
+        return delta if delta.text or delta.pieces or delta.finish_reason else None
+
+    def _accept(
+        self, pieces: list[TokenPiece], node_finished: bool, node_reason: str | None
+    ) -> tuple[str, list[TokenPiece]]:
+        """Take tokens until the request ends; returns the released text and the tokens kept."""
+        max_tokens = self.prepared.params.max_tokens
+        texts: list[str] = []
+        accepted: list[TokenPiece] = []
+        for i, piece in enumerate(pieces):
+            if self.finish_reason is not None:
+                break
+            node_done = node_finished and i == len(pieces) - 1
+            accepted.append(piece)
+            self.completion_tokens += 1
+            texts.append(self.detok.add([piece.token_id]))
+            if self.detok.stopped_on is not None:
+                self._finish("stop", node_done)
+            elif max_tokens is not None and self.completion_tokens >= max_tokens:
+                self._finish((node_reason or "length") if node_done else "length", node_done)
+        if self.finish_reason is None and node_finished:
+            if node_reason in ("error", "abort"):
+                status = 500 if node_reason == "error" else 503
+                raise OpenAIError(status, f"the node ended the request: {node_reason}")
+            self._finish(node_reason or "stop", True)
+        if self.finish_reason is not None and self.detok.stopped_on is None:
+            texts.append(self.detok.flush())
+        return "".join(texts), accepted
+
+    def _finish(self, reason: str, node_done: bool) -> None:
+        self.finish_reason = reason
+        self.status = 200
+        self.marks.finished = self.core.clock()
+        if node_done:
+            self._nodes_done = True
+        else:
+            self.core.abort(self.request_id, self.route)
+            self._nodes_done = True  # aborted now; close() need not abort again
+
+
+def _pairs(raw: list[list[float]] | None) -> tuple[tuple[int, float], ...] | None:
+    if raw is None:
+        return None
+    return tuple((int(p[0]), float(p[1])) for p in raw if len(p) >= 2)
+
+
+def _pieces(output: TokenOutput) -> list[TokenPiece]:
+    logprobs, tops = output.logprobs, output.top_logprobs
+    return [
+        TokenPiece(
+            token,
+            logprobs[i] if logprobs is not None and i < len(logprobs) else None,
+            _pairs(tops[i]) if tops is not None and i < len(tops) else None,
+        )
+        for i, token in enumerate(output.token_ids)
+    ]

@@ -1,0 +1,141 @@
+"""Per-request timing record: router-side marks plus the durations the nodes measured.
+
+Every duration is measured inside one process on its own monotonic clock; the router never
+subtracts timestamps taken by different processes. In both modes the record satisfies
+    ttft = router_queue_tokenize + prefill_queue + prefill_compute + first_token_delivery
+where first_token_delivery is the router-observed residual (dispatch to first token, less
+what the node says it spent queueing and computing): network, serialization, event loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+NODE_PHASES = ("prefill_queue", "prefill_compute", "kv_transfer", "decode_admission_wait")
+
+
+@dataclass
+class TimingMarks:
+    """Router-clock timestamps of one request, plus the durations nodes reported."""
+
+    arrival: float
+    dispatched: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    token_arrivals: list[float] = field(default_factory=list)  # one per event carrying tokens
+    node_timing: dict[str, float] = field(default_factory=dict)
+
+    def tokens_arrived(self, now: float) -> None:
+        if self.first_token is None:
+            self.first_token = now
+        self.token_arrivals.append(now)
+
+    def merge_node_timing(self, timing: dict[str, Any] | None) -> None:
+        for key, value in (timing or {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.node_timing[key] = float(value)
+
+
+@dataclass(frozen=True)
+class IntervalSummary:
+    count: int = 0
+    mean: float | None = None
+    p50: float | None = None
+    p99: float | None = None
+    max: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "count": self.count,
+            "mean": self.mean,
+            "p50": self.p50,
+            "p99": self.p99,
+            "max": self.max,
+        }
+
+
+@dataclass(frozen=True)
+class TimingRecord:
+    router_queue_tokenize: float | None
+    prefill_queue: float | None
+    prefill_compute: float | None
+    kv_transfer: float | None
+    decode_admission_wait: float | None
+    first_token_delivery: float | None
+    ttft: float | None
+    e2e: float
+    decode_intervals: IntervalSummary
+    gaps: tuple[float, ...] = ()  # the raw decode intervals, for the metrics histogram
+    extra: dict[str, float] = field(default_factory=dict)  # other node-reported durations
+
+    def phases(self) -> dict[str, float]:
+        """Every measured scalar phase, for histograms."""
+        names = ("router_queue_tokenize", *NODE_PHASES, "first_token_delivery")
+        known = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        return {**known, **self.extra}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `timing` extension field of a response (seconds; null = not measured)."""
+        out: dict[str, Any] = {
+            "router_queue_tokenize": self.router_queue_tokenize,
+            "prefill_queue": self.prefill_queue,
+            "prefill_compute": self.prefill_compute,
+            "kv_transfer": self.kv_transfer,
+            "decode_admission_wait": self.decode_admission_wait,
+            "first_token_delivery": self.first_token_delivery,
+            "ttft": self.ttft,
+            "e2e": self.e2e,
+        }
+        out.update(self.extra)
+        out["decode_intervals"] = self.decode_intervals.to_dict()
+        return out
+
+
+def assemble(marks: TimingMarks, now: float) -> TimingRecord:
+    """The record as of `now` (the finish time once the request has finished)."""
+    node = marks.node_timing
+    queue = None if marks.dispatched is None else marks.dispatched - marks.arrival
+    ttft = None if marks.first_token is None else marks.first_token - marks.arrival
+    delivery = None
+    if marks.first_token is not None and marks.dispatched is not None:
+        delivery = marks.first_token - marks.dispatched
+        delivery -= node.get("prefill_queue", 0.0) + node.get("prefill_compute", 0.0)
+    end = marks.finished if marks.finished is not None else now
+    gaps = tuple(
+        b - a for a, b in zip(marks.token_arrivals[:-1], marks.token_arrivals[1:], strict=True)
+    )
+    return TimingRecord(
+        router_queue_tokenize=queue,
+        prefill_queue=node.get("prefill_queue"),
+        prefill_compute=node.get("prefill_compute"),
+        kv_transfer=node.get("kv_transfer"),
+        decode_admission_wait=node.get("decode_admission_wait"),
+        first_token_delivery=delivery,
+        ttft=ttft,
+        e2e=end - marks.arrival,
+        decode_intervals=summarize(gaps),
+        gaps=gaps,
+        extra={k: v for k, v in node.items() if k not in NODE_PHASES},
+    )
+
+
+def summarize(values: tuple[float, ...] | list[float]) -> IntervalSummary:
+    if not values:
+        return IntervalSummary()
+    ordered = sorted(values)
+    return IntervalSummary(
+        count=len(ordered),
+        mean=sum(ordered) / len(ordered),
+        p50=percentile(ordered, 50.0),
+        p99=percentile(ordered, 99.0),
+        max=ordered[-1],
+    )
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    """Nearest-rank percentile of an ascending, non-empty list."""
+    if not ordered:
+        raise ValueError("percentile of an empty list")
+    rank = max(1, -(-len(ordered) * q // 100))  # ceil(n * q / 100), at least 1
+    return ordered[min(len(ordered), int(rank)) - 1]

@@ -1,0 +1,421 @@
+"""KV transfer transports end to end: real pools on CPU, real sockets on 127.0.0.1, no mocks."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from kv_transfer import (
+    TRANSPORTS,
+    KVReceiver,
+    KVSender,
+    Transfer,
+    TransferConfig,
+    TransferState,
+    create_receiver,
+    create_sender,
+)
+from kv_transfer.loopback import LoopbackReceiver, LoopbackSender
+from kv_transfer.zmq_transport import ZmqReceiver, ZmqSender
+
+NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 3, 12, 4, 2, 8
+MAX_POLLS = 400  # with 0.05 s poll timeouts: a bound that only a hang reaches
+_names = itertools.count()
+
+
+def make_pool(dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    shape = (NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def bind_address(transport: str) -> str:
+    return "tcp://127.0.0.1:0" if transport == "zmq" else f"loopback://test-{next(_names)}"
+
+
+def poll_until_terminal(receiver: KVReceiver, request_ids: set[str]) -> dict[str, Transfer]:
+    seen: dict[str, Transfer] = {}
+    for _ in range(MAX_POLLS):
+        for t in receiver.poll(timeout_s=0.05):
+            seen[t.request_id] = t
+        if request_ids <= seen.keys():
+            return seen
+    raise AssertionError(f"never terminal: {sorted(request_ids - seen.keys())}")
+
+
+def poll_sender_until_terminal(sender: KVSender, request_ids: set[str]) -> dict[str, Transfer]:
+    seen: dict[str, Transfer] = {}
+    for _ in range(MAX_POLLS):
+        seen.update((t.request_id, t) for t in sender.poll())
+        if request_ids <= seen.keys():
+            return seen
+        time.sleep(0.01)
+    raise AssertionError(f"sender never terminal: {sorted(request_ids - seen.keys())}")
+
+
+def send_all(sender: KVSender, request_id: str, metadata: dict | None = None) -> None:
+    for layer in range(NUM_LAYERS):
+        sender.send_layer(request_id, layer)
+    sender.complete(request_id, metadata or {})
+
+
+def blocks(pool: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+    return pool[:, :, block_ids]
+
+
+@pytest.fixture(params=["zmq", "loopback"])
+def transport(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def make_pair(transport):
+    """Build (sender, receiver, src_pool, dst_pool) with the given config; closes them after."""
+    opened: list = []
+
+    def make(dtype=torch.float32, **config_kwargs):
+        config = TransferConfig(transport=transport, **config_kwargs)
+        src, dst = make_pool(dtype, seed=1), make_pool(dtype, seed=2)
+        receiver = create_receiver(config, dst, bind_address(transport))
+        sender = create_sender(config, src)
+        opened.extend([sender, receiver])
+        return sender, receiver, src, dst
+
+    yield make
+    for endpoint in opened:
+        endpoint.close()
+
+
+MAPPINGS = {  # request -> (source blocks, destination blocks)
+    "a": ([0, 1, 2], [5, 9, 3]),
+    "b": ([7], [0]),
+    "c": ([4, 10, 11, 6], [1, 2, 11, 7]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_shuffled_layers_land_exactly_in_the_reserved_blocks(make_pair, dtype):
+    sender, receiver, src, dst = make_pair(dtype)
+    before = dst.clone()
+    for rid, (src_ids, dst_ids) in MAPPINGS.items():
+        receiver.expect(rid, dst_ids)
+        sender.begin(rid, receiver.address, src_ids, dst_ids)
+    sends = [(rid, layer) for rid in MAPPINGS for layer in range(NUM_LAYERS)]
+    random.Random(0).shuffle(sends)
+    for rid, layer in sends:
+        sender.send_layer(rid, layer)
+    for rid in MAPPINGS:
+        sender.complete(rid, {"first_token": ord(rid), "timing": {"prefill_compute": 0.25}})
+
+    done = poll_until_terminal(receiver, set(MAPPINGS))
+    for rid, (src_ids, dst_ids) in MAPPINGS.items():
+        assert done[rid].state is TransferState.DONE, done[rid].error
+        assert done[rid].metadata == {"first_token": ord(rid), "timing": {"prefill_compute": 0.25}}
+        assert done[rid].layers_done == NUM_LAYERS
+        assert torch.equal(blocks(dst, dst_ids), blocks(src, src_ids))
+    written = {b for _, dst_ids in MAPPINGS.values() for b in dst_ids}
+    untouched = [b for b in range(NUM_BLOCKS) if b not in written]
+    assert torch.equal(blocks(dst, untouched), blocks(before, untouched))
+
+    sent = poll_sender_until_terminal(sender, set(MAPPINGS))
+    assert {t.state for t in sent.values()} == {TransferState.DONE}
+    assert sender.poll() == []  # reported once, then forgotten
+
+
+def test_zmq_receiver_bound_to_port_zero_exposes_the_real_port():
+    with ZmqReceiver(make_pool(torch.float32, 0), TransferConfig(), "tcp://127.0.0.1:0") as r:
+        assert r.address.startswith("tcp://127.0.0.1:") and not r.address.endswith(":0")
+
+
+def test_sender_abort_fails_the_receiver_transfer_and_writes_nothing_after_it(make_pair):
+    sender, receiver, src, dst = make_pair()
+    before = dst.clone()
+    receiver.expect("r", [3, 4])
+    sender.begin("r", receiver.address, [0, 1], [3, 4])
+    sender.send_layer("r", 0)
+    sender.abort("r", "client disconnected")
+    sender.send_layer("r", 1)  # after abort: a no-op, not an error
+    sender.complete("r", {})
+
+    (failed,) = poll_until_terminal(receiver, {"r"}).values()
+    assert failed.state is TransferState.FAILED
+    assert failed.error == "aborted by sender: client disconnected"
+    assert torch.equal(dst[1:], before[1:])
+    (local,) = poll_sender_until_terminal(sender, {"r"}).values()
+    assert local.state is TransferState.FAILED and local.error == "client disconnected"
+    sender.abort("r", "again")  # forgotten request: still a no-op
+
+
+def test_cancelled_transfer_drops_late_frames_and_keeps_working(make_pair):
+    sender, receiver, src, dst = make_pair()
+    before = dst.clone()
+    receiver.expect("gone", [3, 4])
+    receiver.cancel("gone")
+    sender.begin("gone", receiver.address, [0, 1], [3, 4])
+    send_all(sender, "gone")
+    # Same connection, so once the next request is DONE every frame of "gone" was handled.
+    receiver.expect("next", [8])
+    sender.begin("next", receiver.address, [5], [8])
+    send_all(sender, "next", {"n": 1})
+
+    done = poll_until_terminal(receiver, {"next"})
+    assert set(done) == {"next"} and done["next"].state is TransferState.DONE
+    assert torch.equal(blocks(dst, [3, 4]), blocks(before, [3, 4]))
+    assert torch.equal(blocks(dst, [8]), blocks(src, [5]))
+
+
+def test_receiver_fails_a_transfer_that_never_arrives_after_its_deadline(make_pair):
+    _, receiver, _, _ = make_pair(deadline_s=0.2)
+    receiver.expect("never", [1, 2])
+    (t,) = poll_until_terminal(receiver, {"never"}).values()
+    assert t.state is TransferState.FAILED and t.error == "deadline exceeded"
+
+
+def test_sender_deadline_fails_both_sides(make_pair):
+    sender, receiver, _, _ = make_pair(deadline_s=0.2)
+    sender.begin("slow", receiver.address, [0], [1])
+    receiver.expect("slow", [1])
+    sender.send_layer("slow", 0)  # and never the rest
+    (local,) = poll_sender_until_terminal(sender, {"slow"}).values()
+    assert local.state is TransferState.FAILED and local.error == "deadline exceeded"
+    (remote,) = poll_until_terminal(receiver, {"slow"}).values()
+    assert remote.state is TransferState.FAILED
+
+
+def test_complete_with_missing_layers_raises(make_pair):
+    sender, receiver, _, _ = make_pair()
+    sender.begin("r", receiver.address, [0], [1])
+    sender.send_layer("r", 0)
+    with pytest.raises(ValueError, match=r"layers \[1, 2\] not sent"):
+        sender.complete("r", {})
+    with pytest.raises(ValueError, match="sent twice"):
+        sender.send_layer("r", 0)
+    with pytest.raises(ValueError, match="never begun"):
+        sender.send_layer("unknown", 0)
+
+
+def test_begin_rejects_mismatched_block_lists(make_pair):
+    sender, receiver, _, _ = make_pair()
+    with pytest.raises(ValueError, match="2 source blocks, 1 destination"):
+        sender.begin("r", receiver.address, [0, 1], [2])
+
+
+@pytest.mark.parametrize("fail_rate, expected", [(1.0, TransferState.FAILED), (0.0, None)])
+def test_failure_injection_fails_every_transfer_on_both_sides_or_none(
+    make_pair, fail_rate, expected
+):
+    sender, receiver, src, dst = make_pair(fail_rate=fail_rate)
+    rids = {f"r{i}" for i in range(4)}
+    for i, rid in enumerate(sorted(rids)):
+        receiver.expect(rid, [i])
+        sender.begin(rid, receiver.address, [i], [i])
+        send_all(sender, rid)
+    remote = poll_until_terminal(receiver, rids)
+    local = poll_sender_until_terminal(sender, rids)
+    want = expected or TransferState.DONE
+    assert {t.state for t in [*remote.values(), *local.values()]} == {want}
+    if fail_rate:
+        assert {t.error for t in local.values()} == {"injected failure"}
+        assert {t.error for t in remote.values()} == {"aborted by sender: injected failure"}
+
+
+def test_unknown_transport_name_lists_the_known_ones():
+    with pytest.raises(ValueError, match="loopback, zmq"):
+        create_sender(TransferConfig(transport="pigeon"), make_pool(torch.float32, 0))
+    with pytest.raises(ValueError, match="pigeon"):
+        create_receiver(TransferConfig(transport="pigeon"), make_pool(torch.float32, 0), "x")
+    assert TRANSPORTS["zmq"] == (ZmqSender, ZmqReceiver)
+    assert TRANSPORTS["loopback"] == (LoopbackSender, LoopbackReceiver)
+
+
+def test_unreachable_destination_fails_the_transfer_not_the_sender(make_pair, transport):
+    sender, receiver, _, _ = make_pair()
+    nowhere = "not-an-endpoint" if transport == "zmq" else "loopback://nobody"
+    sender.begin("lost", nowhere, [0], [0])
+    send_all(sender, "lost")  # no-ops once the transfer failed
+    (t,) = sender.poll()
+    assert t.state is TransferState.FAILED
+    # The sender still works for a reachable receiver.
+    receiver.expect("ok", [1])
+    sender.begin("ok", receiver.address, [1], [1])
+    send_all(sender, "ok")
+    assert poll_until_terminal(receiver, {"ok"})["ok"].state is TransferState.DONE
+
+
+def test_complete_rejects_metadata_the_receiver_could_not_decode(make_pair):
+    sender, receiver, _, _ = make_pair()
+    sender.begin("r", receiver.address, [0], [0])
+    for layer in range(NUM_LAYERS):
+        sender.send_layer("r", layer)
+    with pytest.raises(ValueError, match="msgpack"):
+        sender.complete("r", {"timing": {1: 0.5}})
+    sender.complete("r", {"timing": {"prefill": 0.5}})  # the transfer is still usable
+
+
+def test_receiver_that_stops_reading_fails_transfers_instead_of_blocking_the_sender():
+    ctx = zmq.Context()
+    stalled = ctx.socket(zmq.PULL)  # bound, never read
+    port = stalled.bind_to_random_port("tcp://127.0.0.1")
+    failed: list[Transfer] = []
+    with ZmqSender(make_pool(torch.float32, 0), TransferConfig()) as sender:
+        for i in range(50_000):  # far more than both queues and the socket buffers hold
+            rid = f"r{i}"
+            sender.begin(rid, f"tcp://127.0.0.1:{port}", [0], [0])
+            send_all(sender, rid)
+            failed = [t for t in sender.poll() if t.state is TransferState.FAILED]
+            if failed:
+                break
+    stalled.close(linger=0)
+    ctx.term()
+    assert failed and "is full" in failed[0].error
+
+
+def test_mismatched_pool_layout_fails_the_transfer(transport):
+    config = TransferConfig(transport=transport)
+    src = make_pool(torch.float32, 0)
+    dst = make_pool(torch.bfloat16, 1)
+    with create_receiver(config, dst, bind_address(transport)) as receiver:
+        with create_sender(config, src) as sender:
+            receiver.expect("r", [2])
+            sender.begin("r", receiver.address, [1], [2])
+            send_all(sender, "r")
+            (t,) = poll_until_terminal(receiver, {"r"}).values()
+    assert t.state is TransferState.FAILED and "dtype torch.float32" in t.error
+
+
+# -- hostile or broken frames on the ZMQ wire -------------------------------------------------
+
+
+def layer_header(rid: str, layer: int, block_ids: list[int], **overrides) -> bytes:
+    header = {
+        "kind": "layer",
+        "request_id": rid,
+        "layer": layer,
+        "block_ids": block_ids,
+        "dtype": "torch.float32",
+        "shape": [2, len(block_ids), BLOCK_SIZE, HEADS, HEAD_DIM],
+        **overrides,
+    }
+    return msgpack.packb(header)
+
+
+def payload(n_blocks: int, extra: int = 0) -> bytes:
+    return bytes(2 * n_blocks * BLOCK_SIZE * HEADS * HEAD_DIM * 4 + extra)
+
+
+def test_malformed_frames_fail_only_their_transfer_and_the_receiver_keeps_working():
+    config = TransferConfig()
+    src, dst = make_pool(torch.float32, 1), make_pool(torch.float32, 2)
+    before = dst.clone()
+    ctx = zmq.Context()
+    with ZmqReceiver(dst, config, "tcp://127.0.0.1:0") as receiver:
+        raw = ctx.socket(zmq.PUSH)
+        raw.connect(receiver.address)
+        early_complete = {"kind": "complete", "request_id": "early-complete", "metadata": {}}
+        bad = {  # request -> (its reservation, a message that must fail it, the error it gets)
+            "garbage-header": (
+                [0],
+                [msgpack.packb({"request_id": "garbage-header", "kind": 3})],
+                "unknown header kind",
+            ),
+            "wrong-ids": ([1, 2], [layer_header("wrong-ids", 0, [1, 9]), payload(2)], "block ids"),
+            "wrong-size": ([3], [layer_header("wrong-size", 0, [3]), payload(1, 4)], "516 bytes"),
+            "wrong-shape": (
+                [4],
+                [layer_header("wrong-shape", 0, [4], shape=[2, 1]), payload(1)],
+                "shape",
+            ),
+            "wrong-dtype": (
+                [5],
+                [layer_header("wrong-dtype", 0, [5], dtype="int8"), payload(1)],
+                "dtype",
+            ),
+            "no-payload": ([6], [layer_header("no-payload", 0, [6])], "1 parts, not 2"),
+            "bad-layer": ([7], [layer_header("bad-layer", NUM_LAYERS, [7]), payload(1)], "outside"),
+            "early-complete": ([8], [msgpack.packb(early_complete)], "incomplete"),
+        }
+        for rid, (block_ids, _, _) in bad.items():
+            receiver.expect(rid, block_ids)
+        receiver.expect("bystander", [10])
+        for frames in [
+            [b"\xc1 not msgpack at all"],
+            [msgpack.packb(["a", "list"])],
+            [layer_header("stranger", 0, [11]), payload(1)],  # nobody expects it: dropped
+            *(frames for _, frames, _ in bad.values()),
+        ]:
+            raw.send_multipart(frames)
+        failed = poll_until_terminal(receiver, set(bad))
+        for rid, (_, _, error) in bad.items():
+            assert failed[rid].state is TransferState.FAILED
+            assert error in failed[rid].error, (rid, failed[rid].error)
+
+        with ZmqSender(src, config) as sender:
+            receiver.expect("good", [11])
+            sender.begin("good", receiver.address, [2], [11])
+            send_all(sender, "good", {"ok": True})
+            done = poll_until_terminal(receiver, {"good"})
+        assert set(done) == {"good"}, "the bystander must stay pending"
+        assert done["good"].state is TransferState.DONE and done["good"].metadata == {"ok": True}
+        assert torch.equal(blocks(dst, [11]), blocks(src, [2]))
+        untouched = [b for b in range(NUM_BLOCKS) if b != 11]
+        assert torch.equal(blocks(dst, untouched), blocks(before, untouched))
+        raw.close(linger=0)
+    ctx.term()
+
+
+# -- CUDA pools (run where a GPU is present) --------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+def test_cuda_pools_transfer_exactly(transport):
+    config = TransferConfig(transport=transport)
+    src = make_pool(torch.bfloat16, 1).cuda()
+    dst = make_pool(torch.bfloat16, 2).cuda()
+    before = dst.clone()
+    with create_receiver(config, dst, bind_address(transport)) as receiver:
+        with create_sender(config, src) as sender:
+            for rid, (src_ids, dst_ids) in MAPPINGS.items():
+                receiver.expect(rid, dst_ids)
+                sender.begin(rid, receiver.address, src_ids, dst_ids)
+                for layer in reversed(range(NUM_LAYERS)):
+                    sender.send_layer(rid, layer)
+                sender.complete(rid, {"rid": rid})
+            done = poll_until_terminal(receiver, set(MAPPINGS))
+            sent = poll_sender_until_terminal(sender, set(MAPPINGS))
+    assert {t.state for t in [*done.values(), *sent.values()]} == {TransferState.DONE}
+    for src_ids, dst_ids in MAPPINGS.values():
+        assert torch.equal(blocks(dst, dst_ids), blocks(src, src_ids))
+    untouched = [b for b in range(NUM_BLOCKS) if b not in {5, 9, 3, 0, 1, 2, 11, 7}]
+    assert torch.equal(blocks(dst, untouched), blocks(before, untouched))
+
+
+@cuda
+def test_cuda_send_layer_ships_what_the_current_stream_wrote_last(transport):
+    """send_layer may be called while the GPU still computes: the shipped KV must be the values
+    queued on the current stream before the call, not whatever the pool held at that moment."""
+    config = TransferConfig(transport=transport)
+    src = torch.zeros(NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM, device="cuda")
+    dst = torch.zeros_like(src)
+    with create_receiver(config, dst, bind_address(transport)) as receiver:
+        with create_sender(config, src) as sender:
+            receiver.expect("r", [4])
+            sender.begin("r", receiver.address, [3], [4])
+            busy = torch.randn(4096, 4096, device="cuda")
+            for layer in range(NUM_LAYERS):
+                for _ in range(20):  # keep the current stream busy before the write
+                    busy = torch.tanh(busy @ busy)
+                src[layer, :, 3].fill_(layer + 1)  # queued behind the matmuls
+                sender.send_layer("r", layer)
+            sender.complete("r", {})
+            (t,) = poll_until_terminal(receiver, {"r"}).values()
+    assert t.state is TransferState.DONE
+    for layer in range(NUM_LAYERS):
+        assert torch.all(dst[layer, :, 4] == layer + 1)
