@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -20,6 +22,7 @@ from common.messages import Heartbeat, MessageError, decode, encode
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
+LOAD_REFRESH_S = 0.05
 
 
 class NodeChannel:
@@ -34,7 +37,9 @@ class NodeChannel:
         self.peers: dict[str, zmq.Socket] = {}
         self.poller = zmq.Poller()
         self.poller.register(self.inbox, zmq.POLLIN)
-        self._last_heartbeat = 0.0
+        self.router_address = router_address
+        self._heartbeat: HeartbeatThread | None = None
+        self._last_load = 0.0
 
     def _push(self, address: str) -> zmq.Socket:
         sock = self.context.socket(zmq.PUSH)
@@ -66,13 +71,22 @@ class NodeChannel:
             sock = self.peers[address] = self._push(address)
         sock.send(encode(message))
 
-    def maybe_heartbeat(self, info: dict[str, Any], load: dict[str, Any]) -> None:
+    def start_heartbeat(self, info: dict[str, Any]) -> None:
+        """Heartbeats go from their own thread (and socket), so a long model step can't make a
+        healthy node look dead. The main loop only swaps in fresh load figures."""
+        self._heartbeat = HeartbeatThread(self.context, self.router_address, self.node_id, self.role, info)
+        self._heartbeat.start()
+
+    def publish_load(self, measure: Callable[[], dict[str, Any]]) -> None:
+        """Refresh the load figures the heartbeat thread reports (at most every LOAD_REFRESH_S)."""
         now = time.monotonic()
-        if now - self._last_heartbeat >= HEARTBEAT_INTERVAL_S:
-            self._last_heartbeat = now
-            self.to_router(Heartbeat(self.node_id, self.role, info, load))
+        if self._heartbeat is not None and now - self._last_load >= LOAD_REFRESH_S:
+            self._last_load = now
+            self._heartbeat.load = measure()  # one reference swap; the thread only reads it
 
     def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
         for sock in [self.inbox, self.router, *self.peers.values()]:
             sock.close(linger=0)
 
@@ -83,3 +97,32 @@ def runtime_info(runtime: Any, **extra: Any) -> dict[str, Any]:
     info["pid"] = os.getpid()
     info.update(extra)
     return info
+
+
+class HeartbeatThread(threading.Thread):
+    def __init__(self, context: zmq.Context, address: str, node_id: str, role: str, info: dict[str, Any]) -> None:
+        super().__init__(name="heartbeat", daemon=True)
+        self.context, self.address = context, address
+        self.node_id, self.role, self.info = node_id, role, info
+        self.load: dict[str, Any] = {}
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        sock = self.context.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 4)
+        sock.connect(self.address)
+        try:
+            while True:
+                try:
+                    sock.send(encode(Heartbeat(self.node_id, self.role, self.info, self.load)), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # router not reading: drop this beat, the next one carries fresher load
+                if self._stop_event.wait(HEARTBEAT_INTERVAL_S):
+                    return
+        finally:
+            sock.close(linger=0)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=2)

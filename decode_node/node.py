@@ -76,6 +76,7 @@ class DecodeNode:
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
         signal.signal(signal.SIGINT, lambda *_: self.stop())
         log.info("%s node %s ready", self.channel.role, self.channel.node_id)
+        self.channel.start_heartbeat(self.info)
         try:
             while not self._stopping:
                 self.step()
@@ -97,7 +98,7 @@ class DecodeNode:
                 self._transfer_ended(transfer)
         if self.scheduler.has_work():
             self._decode_step()
-        self.channel.maybe_heartbeat(self.info, self._load())
+        self.channel.publish_load(self._load)
 
     def handle(self, message: object) -> None:
         if isinstance(message, DecodeRequest):
@@ -170,7 +171,7 @@ class DecodeNode:
             return
         meta = transfer.metadata or {}
         timing.kv_landed_at = transfer.finished_at or time.monotonic()
-        timing.kv_first_frame_at = getattr(transfer, "first_frame_at", None)
+        timing.kv_first_frame_at = transfer.in_flight_at
         timing.prefill_timing = {k: float(v) for k, v in (meta.get("timing") or {}).items()}
         req = pending.request
         seq = self._new_sequence(rid, req.prompt_token_ids, SamplingParams(**req.sampling))

@@ -43,6 +43,7 @@ class Transfer:
     error: str | None = None
     metadata: dict[str, Any] | None = None  # receiver: what the sender attached on completion
     started_at: float = field(default_factory=time.monotonic)
+    in_flight_at: float | None = None  # first layer sent / received
     finished_at: float | None = None
 
     @property
@@ -58,6 +59,8 @@ class Transfer:
         self.state = state
         if error is not None:
             self.error = error
+        if state is TransferState.IN_FLIGHT:
+            self.in_flight_at = time.monotonic()
         if self.is_terminal:
             self.finished_at = time.monotonic()
 

@@ -66,6 +66,7 @@ class PrefillNode:
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
         signal.signal(signal.SIGINT, lambda *_: self.stop())
         log.info("prefill node %s ready", self.channel.node_id)
+        self.channel.start_heartbeat(self.info)
         try:
             while not self._stopping:
                 self.step()
@@ -83,7 +84,7 @@ class PrefillNode:
         if self.scheduler.has_work():
             self._run_batch()
         self._reap_transfers()
-        self.channel.maybe_heartbeat(self.info, self._load())
+        self.channel.publish_load(self._load)
 
     def handle(self, message: object) -> None:
         if isinstance(message, PrefillRequest):

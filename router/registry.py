@@ -107,6 +107,8 @@ class NodeRegistry:
                 "role": node.role,
                 "healthy": node.healthy(now, self.timeout),
                 "last_heartbeat_age_s": age,
+                "pid": (node.info or {}).get("pid"),
+                "device": (node.info or {}).get("device"),
                 "load": node.load,
             }
             if node.problem:

@@ -9,8 +9,8 @@ import zmq
 import zmq.asyncio
 
 from common.messages import Abort, Heartbeat, decode, encode
-from tests.router_fakes import heartbeat
 from router.node_link import SendError, ZmqNodeLink
+from tests.router_fakes import heartbeat
 
 
 async def until(condition) -> None:

@@ -8,10 +8,10 @@ from common.messages import FirstToken
 from common.sampling_params import SamplingParams
 from router.config import RouterConfig
 from router.core import RouterCore
-from tests.router_fakes import LoopbackNodes, heartbeat
 from router.metrics import RouterMetrics
 from router.policy import Candidate, LoadLedger, pick_decode, pick_prefill
 from router.prepare import PreparedRequest
+from tests.router_fakes import LoopbackNodes, heartbeat
 
 
 def test_decode_choice_prefers_most_free_blocks():

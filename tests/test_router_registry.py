@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tests.router_fakes import heartbeat
 from router.registry import NodeRegistry
+from tests.router_fakes import heartbeat
 
 P, D = "tcp://127.0.0.1:5601", "tcp://127.0.0.1:5701"
 
