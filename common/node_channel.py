@@ -74,7 +74,9 @@ class NodeChannel:
     def start_heartbeat(self, info: dict[str, Any]) -> None:
         """Heartbeats go from their own thread (and socket), so a long model step can't make a
         healthy node look dead. The main loop only swaps in fresh load figures."""
-        self._heartbeat = HeartbeatThread(self.context, self.router_address, self.node_id, self.role, info)
+        self._heartbeat = HeartbeatThread(
+            self.context, self.router_address, self.node_id, self.role, info
+        )
         self._heartbeat.start()
 
     def publish_load(self, measure: Callable[[], dict[str, Any]]) -> None:
@@ -100,7 +102,9 @@ def runtime_info(runtime: Any, **extra: Any) -> dict[str, Any]:
 
 
 class HeartbeatThread(threading.Thread):
-    def __init__(self, context: zmq.Context, address: str, node_id: str, role: str, info: dict[str, Any]) -> None:
+    def __init__(
+        self, context: zmq.Context, address: str, node_id: str, role: str, info: dict[str, Any]
+    ) -> None:
         super().__init__(name="heartbeat", daemon=True)
         self.context, self.address = context, address
         self.node_id, self.role, self.info = node_id, role, info
@@ -115,7 +119,10 @@ class HeartbeatThread(threading.Thread):
         try:
             while True:
                 try:
-                    sock.send(encode(Heartbeat(self.node_id, self.role, self.info, self.load)), zmq.NOBLOCK)
+                    sock.send(
+                        encode(Heartbeat(self.node_id, self.role, self.info, self.load)),
+                        zmq.NOBLOCK,
+                    )
                 except zmq.Again:
                     pass  # router not reading: drop this beat, the next one carries fresher load
                 if self._stop_event.wait(HEARTBEAT_INTERVAL_S):
