@@ -1,8 +1,10 @@
 """The paged KV pool: one allocation, viewed per layer as K and V blocks.
 
-Layout `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`, so layer l's K is the
-contiguous view `[num_blocks, block_size, num_kv_heads, head_dim]`. One allocation means one
-CUDA IPC handle exports the whole pool to a prefill node.
+Layout `[num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim]`, so layer l's K is
+the contiguous view `[num_blocks + 1, block_size, num_kv_heads, head_dim]`. One allocation means
+one CUDA IPC handle exports the whole pool to a prefill node. The extra last block belongs to no
+sequence: padding rows of a captured CUDA-graph batch write their KV there (`padding_slot`),
+so a captured step needs no data-dependent branch.
 """
 
 from __future__ import annotations
@@ -30,12 +32,17 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> KVCache:
-        shape = (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (spec.num_layers, 2, num_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim)
         return cls(torch.zeros(shape, dtype=dtype, device=device), block_size)
 
     @property
     def num_blocks(self) -> int:
-        return self.pool.shape[2]
+        """Blocks the allocator may hand out (the padding block excluded)."""
+        return self.pool.shape[2] - 1
+
+    @property
+    def padding_slot(self) -> int:
+        return self.num_blocks * self.block_size
 
     @property
     def k_caches(self) -> list[torch.Tensor]:
@@ -53,7 +60,7 @@ def block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
 def num_blocks_for_budget(
     spec: ModelSpec, block_size: int, dtype: torch.dtype, budget_bytes: int
 ) -> int:
-    n = budget_bytes // block_bytes(spec, block_size, dtype)
+    n = budget_bytes // block_bytes(spec, block_size, dtype) - 1  # one padding block
     if n < 1:
         raise ValueError(
             f"KV budget of {budget_bytes} bytes holds no block of {block_bytes(spec, block_size, dtype)} bytes"

@@ -1,6 +1,7 @@
 """Turns a ScheduledBatch into tensors, runs the model, samples one token per finishing row.
 
-This is the only engine piece that touches torch besides the model and the backends.
+Decode-only batches replay a captured CUDA graph when one is available (`common.cuda_graphs`);
+everything else (prefill, chunks, mixed batches, CPU) runs eagerly.
 """
 
 from __future__ import annotations
@@ -11,19 +12,30 @@ from dataclasses import dataclass
 import torch
 
 from common.attention import AttentionBackend, AttentionMetadata, ForwardContext
+from common.cuda_graphs import DecodeGraphs
 from common.kv_cache import KVCache
 from common.models.llama import LlamaForCausalLM
 from common.sampler import Sampler, SamplingInputs, make_generator, skip_draws
 from common.scheduler import SampledToken, ScheduledBatch
+from common.sequence import Sequence
 
 
 @dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [rows that sample]
+class HostInputs:
+    """One step's inputs as plain lists, before they become tensors or graph buffers."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    logits_indices: list[int]  # token index of each sampling row
     sample_rows: list[int]  # batch item index of each sampling row
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.query_lens) and len(self.sample_rows) == len(self.query_lens)
 
 
 class ModelRunner:
@@ -42,9 +54,17 @@ class ModelRunner:
         self.scale = model.spec.head_dim**-0.5
         self.sampler = Sampler()
         self.eos_token_ids = list(model.spec.eos_token_ids)
+        self.graphs: DecodeGraphs | None = None
         self._generators: dict[str, torch.Generator | None] = {}
         self._k_caches = kv_cache.k_caches
         self._v_caches = kv_cache.v_caches
+
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> int:
+        """Capture decode graphs (CUDA only); returns the bytes they hold."""
+        self.graphs = DecodeGraphs(
+            self.model, self.backend, self.kv_cache, max_num_seqs, max_model_len, self.scale
+        )
+        return self.graphs.capture()
 
     def release(self, request_id: str) -> None:
         """Forget per-request state (its seeded generator) once the request has ended."""
@@ -57,55 +77,40 @@ class ModelRunner:
             skip_draws(generator, self.model.spec.vocab_size, self.device, sampled_elsewhere)
         self._generators[request_id] = generator
 
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+    def host_inputs(self, batch: ScheduledBatch) -> HostInputs:
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        sample_rows: list[int] = []
+        h = HostInputs([], [], [], [], [], [], [], [])
         for row, item in enumerate(batch.items):
             seq, start, n = item.seq, item.start, item.num_new_tokens
-            tokens = seq.all_token_ids
-            input_ids.extend(tokens[start : start + n])
-            positions.extend(range(start, start + n))
+            h.input_ids.extend(seq.all_token_ids[start : start + n] if n > 1 else [seq.token_at(start)])
+            h.positions.extend(range(start, start + n))
             blocks = seq.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
-            query_lens.append(n)
-            seq_lens.append(start + n)
+            h.slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+            h.query_lens.append(n)
+            h.seq_lens.append(start + n)
+            h.block_tables.append(blocks)
             if item.samples:
-                logits_indices.append(len(input_ids) - 1)
-                sample_rows.append(row)
-        max_blocks = max(len(item.seq.block_ids) for item in batch.items)
-        tables = [
-            item.seq.block_ids + [0] * (max_blocks - len(item.seq.block_ids))
-            for item in batch.items
-        ]
+                h.logits_indices.append(len(h.input_ids) - 1)
+                h.sample_rows.append(row)
+        return h
+
+    def _tensor(self, values, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    def metadata(self, h: HostInputs) -> AttentionMetadata:
+        width = max(len(t) for t in h.block_tables)
         cum = [0]
-        for n in query_lens:
+        for n in h.query_lens:
             cum.append(cum[-1] + n)
-
-        def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
-        metadata = AttentionMetadata(
-            query_start_loc=tensor(cum, torch.int32),
-            seq_lens=tensor(seq_lens, torch.int32),
-            block_tables=tensor(tables, torch.int32),
-            slot_mapping=tensor(slots, torch.int64),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-        )
-        return StepInputs(
-            input_ids=tensor(input_ids, torch.int64),
-            positions=tensor(positions, torch.int64),
-            metadata=metadata,
-            logits_indices=tensor(logits_indices, torch.int64),
-            sample_rows=sample_rows,
+        return AttentionMetadata(
+            query_start_loc=self._tensor(cum, torch.int32),
+            seq_lens=self._tensor(h.seq_lens, torch.int32),
+            block_tables=self._tensor([t + [0] * (width - len(t)) for t in h.block_tables], torch.int32),
+            slot_mapping=self._tensor(h.slots, torch.int64),
+            query_lens_cpu=h.query_lens,
+            seq_lens_cpu=h.seq_lens,
+            max_query_len=max(h.query_lens),
+            max_seq_len=max(h.seq_lens),
         )
 
     @torch.inference_mode()
@@ -113,31 +118,47 @@ class ModelRunner:
         self, batch: ScheduledBatch, on_layer_done: Callable[[int], None] | None = None
     ) -> list[SampledToken | None]:
         """Run one step; returns one entry per batch item (None where no token is sampled)."""
-        inputs = self.prepare(batch)
-        ctx = ForwardContext(
-            self.backend, inputs.metadata, self._k_caches, self._v_caches, self.scale, on_layer_done
-        )
-        hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        h = self.host_inputs(batch)
+        if (
+            self.graphs is not None
+            and on_layer_done is None
+            and h.is_decode_only
+            and self.graphs.fits(len(h.input_ids))
+        ):
+            logits = self.graphs.run(h.input_ids, h.positions, h.slots, h.seq_lens, h.block_tables)
+        else:
+            ctx = ForwardContext(
+                self.backend, self.metadata(h), self._k_caches, self._v_caches, self.scale, on_layer_done
+            )
+            hidden = self.model(
+                self._tensor(h.input_ids, torch.int64), self._tensor(h.positions, torch.int64), ctx
+            )
+            if not h.sample_rows:
+                return [None] * len(batch.items)
+            logits = self.model.compute_logits(hidden[self._tensor(h.logits_indices, torch.int64)])
+        seqs = [batch.items[row].seq for row in h.sample_rows]
         results: list[SampledToken | None] = [None] * len(batch.items)
-        if not inputs.sample_rows:
-            return results
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        seqs = [batch.items[row].seq for row in inputs.sample_rows]
-        sampling = SamplingInputs(
+        for row, token in zip(h.sample_rows, self.sample(logits, seqs), strict=True):
+            results[row] = token
+        return results
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+        inputs = SamplingInputs(
             params=[s.params for s in seqs],
             prompt_token_ids=[s.prompt_token_ids for s in seqs],
             output_token_ids=[s.output_token_ids for s in seqs],
             generators=[self._generator(s.request_id, s.params.seed) for s in seqs],
             eos_token_ids=[self.eos_token_ids] * len(seqs),
         )
-        out = self.sampler(logits, sampling)
-        for i, row in enumerate(inputs.sample_rows):
-            results[row] = SampledToken(
+        out = self.sampler(logits, inputs)
+        return [
+            SampledToken(
                 token_id=out.token_ids[i],
                 logprob=out.logprobs[i] if out.logprobs is not None else None,
                 top_logprobs=out.top_logprobs[i] if out.top_logprobs is not None else None,
             )
-        return results
+            for i in range(len(seqs))
+        ]
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if request_id not in self._generators:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from common.attention import create_backend
+from common.attention.selection import choose_backend
 from common.block_allocator import BlockAllocator
 from common.config import EngineConfig
 from common.kv_cache import DEFAULT_CPU_KV_BYTES, KVCache, gpu_kv_budget, num_blocks_for_budget
@@ -39,6 +40,8 @@ class RuntimeInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    cuda_graph_sizes: tuple[int, ...] = ()
+    cuda_graph_bytes: int = 0
 
 
 def pick_device(name: str) -> torch.device:
@@ -85,13 +88,20 @@ class Worker:
             seed=mc.seed,
         )
         self.tokenizer = load_tokenizer(self.source.directory)
-        self.backend = create_backend(config.attention_backend)
+        backend_name, why = choose_backend(config.attention_backend, self.device, cc.block_size)
+        log.info("attention backend: %s (%s)", backend_name, why)
+        self.backend = create_backend(backend_name)
+        self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
         num_blocks = self._size_kv_cache(max_len)
         self.kv_cache = KVCache.allocate(
             self.spec, num_blocks, cc.block_size, self.dtype, self.device
         )
         self.allocator = BlockAllocator(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device)
+        max_model_len = min(max_len, num_blocks * cc.block_size)
+        graph_bytes = 0
+        if self.use_graphs:
+            graph_bytes = self.runner.capture_graphs(config.scheduler.max_num_seqs, max_model_len)
         self.runtime = RuntimeInfo(
             model_name=self.source.name,
             device=str(self.device),
@@ -99,9 +109,11 @@ class Worker:
             attention_backend=self.backend.name,
             num_kv_blocks=num_blocks,
             block_size=cc.block_size,
-            max_model_len=min(max_len, num_blocks * cc.block_size),
+            max_model_len=max_model_len,
             vocab_size=self.spec.vocab_size,
             eos_token_ids=self.spec.eos_token_ids,
+            cuda_graph_sizes=tuple(self.runner.graphs.sizes) if self.runner.graphs else (),
+            cuda_graph_bytes=graph_bytes,
         )
         log.info("worker ready: %s", self.runtime)
 
@@ -114,9 +126,33 @@ class Worker:
         elif self.device.type == "cuda":
             self._profile_peak_memory(max_len)
             budget = gpu_kv_budget(self.device, cc.kv_memory_fraction)
+            if self.use_graphs:
+                # Captured graphs keep one decode step's activations (and the logits of the
+                # largest batch) in their own pool; measured here so the KV pool leaves room.
+                budget -= self._decode_step_bytes()
         else:
             budget = DEFAULT_CPU_KV_BYTES
         return num_blocks_for_budget(self.spec, cc.block_size, self.dtype, budget)
+
+    def _decode_step_bytes(self) -> int:
+        """Peak memory of one eager decode step at max_num_seqs, plus a margin for graph overhead."""
+        n, bs = self.config.scheduler.max_num_seqs, self.config.cache.block_size
+        scratch = KVCache.allocate(self.spec, n, bs, self.dtype, self.device)
+        runner = ModelRunner(self.model, scratch, self.backend, self.device)
+        batch = ScheduledBatch()
+        for i in range(n):
+            seq = Sequence(f"probe-{i}", [0], SamplingParams(max_tokens=1))
+            seq.block_ids = [i]
+            batch.items.append(ScheduledSeq(seq, 0, 1))
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        runner.execute(batch)
+        torch.cuda.synchronize(self.device)
+        step = torch.cuda.max_memory_allocated(self.device) - base
+        del scratch, runner
+        torch.cuda.empty_cache()
+        return 2 * step + (64 << 20)
 
     def _profile_peak_memory(self, max_len: int) -> None:
         """Run the largest step once on a scratch KV pool so the peak activation size is known."""

@@ -21,13 +21,13 @@ class AttentionMetadata:
 
     Sequence i owns new tokens `query_start_loc[i]:query_start_loc[i+1]`, which are the last
     `query_lens[i]` of its `seq_lens[i]` context tokens. `slot_mapping[t] = block * block_size
-    + offset` for every new token; -1 marks a padding token whose KV is not written.
+    + offset` for every new token; padding tokens point at the pool's padding slot.
     """
 
     query_start_loc: torch.Tensor  # [B + 1] int32
     seq_lens: torch.Tensor  # [B] int32
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
-    slot_mapping: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, always a valid slot
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     max_query_len: int

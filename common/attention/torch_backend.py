@@ -13,21 +13,13 @@ from common.attention.base import AttentionMetadata
 
 
 def write_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """Scatter new k/v rows into the paged cache; slots < 0 (padding) are skipped."""
+    """Scatter new k/v rows into the paged cache. Slots must be valid (padding rows use the
+    pool's padding slot), which keeps this free of host syncs and safe to capture."""
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    flat_k = k_cache.view(num_slots, *k_cache.shape[2:])
-    flat_v = v_cache.view(num_slots, *v_cache.shape[2:])
-    if slots.numel() and bool((slots < 0).any()):
-        keep = slots >= 0
-        slots, k, v = slots[keep], k[keep], v[keep]
-    flat_k.index_copy_(0, slots, k.to(flat_k.dtype))
-    flat_v.index_copy_(0, slots, v.to(flat_v.dtype))
+    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
