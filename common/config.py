@@ -31,7 +31,7 @@ class ModelConfig:
     max_model_len: int | None = field(
         default=None, metadata={"help": "longest prompt + output; default: the model's"}
     )
-    seed: int = field(default=0, metadata={"help": "seed for dummy weights and unseeded sampling"})
+    seed: int = field(default=0, metadata={"help": "seed for dummy weights"})
 
 
 @dataclass(frozen=True)

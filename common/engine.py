@@ -1,6 +1,7 @@
-"""The colocated engine: one process that prefills and decodes (also the decode node's
-`--colocated` mode and the PD baseline). Its step is the whole story:
-schedule -> run the model -> update sequences -> report.
+"""The single-process engine behind the offline `LLM` API: prefill and decode in one loop.
+Its step is the whole story: schedule -> run the model -> update sequences -> report.
+(The decode node's `--colocated` mode runs the same Worker and Scheduler inside its own
+event loop, which also speaks ZMQ.)
 """
 
 from __future__ import annotations

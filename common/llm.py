@@ -83,7 +83,6 @@ class LLM:
             outputs[rid] = RequestOutput(rid, ids)
             if self.tokenizer is not None:
                 detoks[rid] = IncrementalDetokenizer(self.tokenizer, ids, p.stop)
-            seq.num_cached_tokens = 0
         while self.engine.has_unfinished():
             for event in self.engine.step():
                 seq, out = event.seq, outputs[event.seq.request_id]

@@ -8,7 +8,7 @@ every field's type before building the dataclass, so a malformed or hostile fram
 Who sends what (see docs/architecture.md for the full lifecycle):
   router  -> prefill  PrefillRequest, Abort
   router  -> decode   DecodeRequest, Abort
-  decode  -> prefill  Reservation, ReservationFailed
+  decode  -> prefill  Reservation
   prefill -> router   FirstToken, RequestError, Heartbeat
   decode  -> router   TokenBatch, RequestError, Heartbeat
 KV bytes and the transfer-complete notice travel through kv_transfer, not here.
@@ -56,12 +56,6 @@ class Reservation:
     request_id: str
     decode_node: str
     block_ids: list[int]
-
-
-@dataclass(frozen=True)
-class ReservationFailed:
-    request_id: str
-    reason: str
 
 
 @dataclass(frozen=True)
@@ -117,7 +111,6 @@ MESSAGES: dict[str, type] = {
         DecodeRequest,
         Abort,
         Reservation,
-        ReservationFailed,
         FirstToken,
         TokenBatch,
         RequestError,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from common.config import EngineConfig
@@ -14,7 +15,6 @@ from common.messages import (
     PrefillRequest,
     RequestError,
     Reservation,
-    ReservationFailed,
 )
 from common.node_channel import NodeChannel, runtime_info
 from common.node_config import NodeConfig
@@ -25,6 +25,8 @@ from common.worker import Worker
 from kv_transfer import TransferConfig, TransferState, create_sender
 
 log = logging.getLogger(__name__)
+
+ENDED_MEMORY = 10_000
 
 
 @dataclass
@@ -58,6 +60,7 @@ class PrefillNode:
             node_config.control_address, node_config.router_address, "prefill"
         )
         self.jobs: dict[str, PrefillJob] = {}
+        self._ended: OrderedDict[str, None] = OrderedDict()  # recently ended ids (bounded)
         self.info = runtime_info(self.worker.runtime)
         self._stopping = False
 
@@ -87,6 +90,9 @@ class PrefillNode:
         self.channel.publish_load(self._load)
 
     def handle(self, message: object) -> None:
+        rid = getattr(message, "request_id", None)
+        if rid in self._ended and not isinstance(message, Abort):
+            return  # a Reservation (or request) that crossed the Abort on the wire
         if isinstance(message, PrefillRequest):
             job = self.jobs.setdefault(message.request_id, PrefillJob(message.request_id))
             job.request = message
@@ -95,10 +101,6 @@ class PrefillNode:
             job = self.jobs.setdefault(message.request_id, PrefillJob(message.request_id))
             job.reserved_blocks = message.block_ids
             self._maybe_start(job)
-        elif isinstance(message, ReservationFailed):
-            self._fail(
-                message.request_id, f"decode node could not reserve KV: {message.reason}", 503
-            )
         elif isinstance(message, Abort):
             self._abort(message.request_id)
         else:
@@ -215,6 +217,7 @@ class PrefillNode:
     def _abort(self, request_id: str) -> None:
         job = self.jobs.get(request_id)
         if job is None:
+            self._ended[request_id] = None  # the abort may overtake the request itself
             return
         if job.transferring:
             self.sender.abort(request_id, "aborted by the router")
@@ -233,6 +236,9 @@ class PrefillNode:
     def _drop(self, job: PrefillJob) -> None:
         """Forget a job and free its blocks (the one place a prefill node frees them)."""
         self.jobs.pop(job.request_id, None)
+        self._ended[job.request_id] = None
+        while len(self._ended) > ENDED_MEMORY:
+            self._ended.popitem(last=False)
         self.worker.runner.release(job.request_id)
         seq = job.seq
         if seq is None:

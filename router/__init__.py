@@ -16,6 +16,6 @@ Lifecycle of one request (PD mode), with the module for each step:
 8. `formatting`: OpenAI bodies / SSE chunks with usage and the `timing` record (`timing`);
    `metrics` exports counters and histograms at /metrics.
 Colocated mode skips the prefill node: the decode node prefills and sends every token.
-`loopback` plays the nodes in-process (no sockets, no model) for tests; `config` and
-`__main__` are the command line; `app` assembles the FastAPI application.
+Tests play the nodes in-process with `tests/router_fakes.py`; `config` and `__main__` are
+the command line; `app` assembles the FastAPI application.
 """
