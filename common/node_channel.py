@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +23,18 @@ from common.messages import Heartbeat, MessageError, decode, encode
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
+
+
+def _host_id() -> str:
+    """Identifies this host and boot: processes with equal ids share CLOCK_MONOTONIC."""
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}:{boot}"
+
+
+HOST_ID = _host_id()
 LOAD_REFRESH_S = 0.05
 
 

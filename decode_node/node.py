@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from common.config import EngineConfig
 from common.messages import Abort, DecodeRequest, RequestError, Reservation, TokenBatch
-from common.node_channel import NodeChannel, runtime_info
+from common.node_channel import HOST_ID, NodeChannel, runtime_info
 from common.node_config import NodeConfig
 from common.sampling_params import SamplingParams
 from common.scheduler import Scheduler
@@ -31,6 +31,7 @@ class DecodeTiming:
     kv_first_frame_at: float | None = None
     first_step_at: float | None = None
     prefill_timing: dict[str, float] = field(default_factory=dict)
+    prefill_first_token_at: float | None = None  # prefill node's clock; set only on one host
     sent_first: bool = False
 
     def first_report(self) -> dict[str, float]:
@@ -41,6 +42,9 @@ class DecodeTiming:
             start = self.kv_first_frame_at or self.reserved_at
             out["kv_transfer"] = self.kv_landed_at - start
             out["kv_wait_after_reservation"] = self.kv_landed_at - self.reserved_at
+        if self.kv_landed_at is not None and self.prefill_first_token_at is not None:
+            # The part of the transfer not hidden behind prefill compute (same host only).
+            out["kv_transfer_exposed"] = max(0.0, self.kv_landed_at - self.prefill_first_token_at)
         if self.kv_landed_at is not None and self.first_step_at is not None:
             out["decode_admission_wait"] = self.first_step_at - self.kv_landed_at
         return out
@@ -173,6 +177,8 @@ class DecodeNode:
         timing.kv_landed_at = transfer.finished_at or time.monotonic()
         timing.kv_first_frame_at = transfer.in_flight_at
         timing.prefill_timing = {k: float(v) for k, v in (meta.get("timing") or {}).items()}
+        if meta.get("host_id") == HOST_ID and isinstance(meta.get("first_token_at"), float):
+            timing.prefill_first_token_at = meta["first_token_at"]
         req = pending.request
         seq = self._new_sequence(rid, req.prompt_token_ids, SamplingParams(**req.sampling))
         seq.output_token_ids.append(int(meta["first_token"]))

@@ -16,7 +16,7 @@ from common.messages import (
     RequestError,
     Reservation,
 )
-from common.node_channel import NodeChannel, runtime_info
+from common.node_channel import HOST_ID, NodeChannel, runtime_info
 from common.node_config import NodeConfig
 from common.sampling_params import SamplingParams
 from common.scheduler import Scheduler
@@ -148,8 +148,21 @@ class PrefillNode:
             job = self.jobs.get(item.seq.request_id)
             if job is not None and job.scheduled_at is None:
                 job.scheduled_at = now
+        # Prompts that end in this step ship their KV layer by layer while later layers are
+        # still computing: every earlier chunk is already in the cache, and the hook runs
+        # once this step's layer is written.
+        shipping = [item.seq.request_id for item in batch.items if item.samples]
+        for rid in shipping:
+            self._begin_transfer(self.jobs[rid])
+        hook = None
+        if shipping:
+
+            def hook(layer: int) -> None:
+                for rid in shipping:
+                    self.sender.send_layer(rid, layer)
+
         try:
-            sampled = self.worker.runner.execute(batch)
+            sampled = self.worker.runner.execute(batch, on_layer_done=hook)
         except Exception as exc:  # a failed step fails its requests, not the node
             log.exception("prefill step failed")
             for item in batch.items:
@@ -158,12 +171,21 @@ class PrefillNode:
         for seq in self.scheduler.update(batch, sampled):
             self._first_token_ready(seq)
 
+    def _begin_transfer(self, job: PrefillJob) -> None:
+        seq, req = job.seq, job.request
+        self.sender.begin(
+            seq.request_id, req.decode_kv_address, list(seq.block_ids), job.reserved_blocks
+        )
+        job.transferring = True
+
     def _first_token_ready(self, seq: Sequence) -> None:
         job = self.jobs[seq.request_id]
         job.first_token_at = time.monotonic()
         self.worker.runner.release(seq.request_id)
         token = seq.output_token_ids[0]
+        logprob = seq.output_logprobs[0] if seq.output_logprobs else None
         top = seq.output_top_logprobs[0] if seq.output_top_logprobs else None
+        top = [[t, lp] for t, lp in top] if top is not None else None
         timing = {
             "prefill_queue": job.scheduled_at - job.arrived_at,
             "prefill_compute": job.first_token_at - job.scheduled_at,
@@ -173,35 +195,30 @@ class PrefillNode:
             FirstToken(
                 request_id=seq.request_id,
                 token_id=token,
-                logprob=seq.output_logprobs[0] if seq.output_logprobs else None,
-                top_logprobs=[[t, lp] for t, lp in top] if top is not None else None,
+                logprob=logprob,
+                top_logprobs=top,
                 finished=finished,
                 finish_reason=seq.finish_reason.value if finished else None,
                 num_cached_tokens=seq.num_cached_tokens,
                 timing=timing,
             )
         )
-        req = job.request
         if finished:
-            # Nothing to decode: release the decode node's reservation instead of shipping KV.
-            self.channel.to_peer(req.decode_node, Abort(seq.request_id))
+            # Nothing to decode: stop the transfer and release the decode node's reservation.
+            self.sender.abort(seq.request_id, "finished at the first token")
+            self.channel.to_peer(job.request.decode_node, Abort(seq.request_id))
             self._drop(job)
             return
-        self.sender.begin(
-            seq.request_id, req.decode_kv_address, list(seq.block_ids), job.reserved_blocks
-        )
-        job.transferring = True
-        for layer in range(self.worker.spec.num_layers):
-            self.sender.send_layer(seq.request_id, layer)
-        self.sender.complete(
-            seq.request_id,
-            {
-                "first_token": token,
-                "logprob": seq.output_logprobs[0] if seq.output_logprobs else None,
-                "top_logprobs": [[t, lp] for t, lp in top] if top is not None else None,
-                "timing": timing,
-            },
-        )
+        metadata = {
+            "first_token": token,
+            "logprob": logprob,
+            "top_logprobs": top,
+            "timing": timing,
+            # Same host only: the decode node compares it with its own monotonic clock.
+            "first_token_at": job.first_token_at,
+            "host_id": HOST_ID,
+        }
+        self.sender.complete(seq.request_id, metadata)
 
     def _reap_transfers(self) -> None:
         for transfer in self.sender.poll():
