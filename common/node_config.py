@@ -22,7 +22,12 @@ class NodeConfig:
     kv_address: str = field(
         default="tcp://127.0.0.1:5801", metadata={"help": "decode node: where KV arrives"}
     )
-    transport: str = field(default="zmq", metadata={"help": "KV transport: zmq, loopback"})
+    transport: str = field(
+        default="zmq",
+        metadata={
+            "help": "KV transport: zmq (any host), cuda_ipc (same host, falls back to zmq framing)"
+        },
+    )
     transfer_deadline_s: float = field(
         default=30.0, metadata={"help": "a KV transfer not done by then fails its request"}
     )

@@ -15,7 +15,7 @@ from common.sampling_params import SamplingParams
 from common.scheduler import Scheduler
 from common.sequence import Sequence, SequenceStatus
 from common.worker import Worker
-from decode_node.reservations import ReservationQueue
+from decode_node.reservations import PendingDecode, ReservationQueue
 from kv_transfer import Transfer, TransferConfig, TransferState, create_receiver
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class DecodeNode:
         self.info = runtime_info(self.worker.runtime, **extra)
         self.sequences: dict[str, Sequence] = {}
         self.timings: dict[str, DecodeTiming] = {}
+        self.quarantined: dict[str, PendingDecode] = {}  # aborted, blocks not yet safe to reuse
         self._stopping = False
 
     # -- loop -------------------------------------------------------------------------------
@@ -164,6 +165,10 @@ class DecodeNode:
 
     def _transfer_ended(self, transfer: Transfer) -> None:
         rid = transfer.request_id
+        held = self.quarantined.pop(rid, None)
+        if held is not None:  # aborted earlier; now nothing writes into its blocks any more
+            self.worker.allocator.free(held.block_ids)
+            return
         pending = self.reservations.take(rid)
         timing = self.timings.get(rid)
         if pending is None or timing is None:
@@ -246,8 +251,13 @@ class DecodeNode:
 
     # -- endings ----------------------------------------------------------------------------
     def _abort(self, request_id: str) -> None:
-        if self.reservations.release(request_id) and self.receiver is not None:
-            self.receiver.cancel(request_id)
+        pending = self.reservations.reserved.get(request_id)
+        if pending is not None and not self.receiver.cancel(request_id):
+            # A sender may still write into these blocks (cuda_ipc): keep them out of the
+            # pool until the receiver reports the transfer over (see KVReceiver.cancel).
+            self.quarantined[request_id] = self.reservations.take(request_id)
+        else:
+            self.reservations.release(request_id)
         self.scheduler.abort(request_id)  # frees the blocks of a running/waiting sequence
         self._end(request_id)
 
@@ -264,5 +274,6 @@ class DecodeNode:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting) + len(self.reservations.waiting),
             "reserved": len(self.reservations.reserved),
+            "quarantined": len(self.quarantined),
             "queued_tokens": sum(s.num_pending_tokens for s in self.scheduler.waiting),
         }

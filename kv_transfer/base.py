@@ -144,12 +144,14 @@ class KVReceiver(ABC):
     """Decode side: writes arriving KV into the blocks it reserved in its own pool.
 
     Ownership: the caller allocates the destination blocks before expect() and frees them
-    only after poll() reported the transfer FAILED or after cancel(); on DONE they belong to
-    the request. expect() must happen before the sender learns the address and block ids
-    (i.e. before the reservation is sent), since frames for unexpected requests are dropped.
-    poll() never raises because of what arrives: a bad frame fails its transfer or is dropped.
-    Layers are written on the calling thread's current CUDA stream (a plain copy on CPU), so
-    work queued after poll() on that stream sees them. All methods are called from one thread.
+    only after poll() reported the transfer FAILED, or after a cancel() that returned True;
+    on DONE they belong to the request. expect() must happen before the sender learns the
+    address and block ids (i.e. before the reservation is sent), since frames for unexpected
+    requests are dropped. poll() never raises because of what arrives: a bad frame fails its
+    transfer or is dropped. Layers are written on the calling thread's current CUDA stream (a
+    plain copy on CPU), so work queued after poll() on that stream sees them; a sender that
+    writes the pool itself (cuda_ipc) reports completion only once its writes have finished.
+    All methods are called from one thread.
     """
 
     address: str  # what senders pass as dest_address (the real port when bound to port 0)
@@ -173,8 +175,18 @@ class KVReceiver(ABC):
         there is nothing to return."""
 
     @abstractmethod
-    def cancel(self, request_id: str) -> None:
-        """The request was aborted locally: forget it; later frames for it are dropped."""
+    def cancel(self, request_id: str) -> bool:
+        """The request was aborted locally. Returns whether its blocks may be reused now.
+
+        True: the request is forgotten, later frames for it are dropped, poll() never reports
+        it; free the blocks at once. Transports through which every byte is written by the
+        receiver itself (zmq, loopback) always return True, as does any transport for an id
+        it does not know (never expected, or already reported by poll()).
+        False: a sender may still be writing into the blocks on its own (cuda_ipc writes the
+        decode pool straight from the prefill GPU). The receiver asks the sender to stop, and a
+        later poll() reports the transfer FAILED with error "cancelled" once the sender
+        confirmed that its writes are over, or once a grace period passed without word from it
+        (a dead sender writes nothing more). Free the blocks only then."""
 
     @abstractmethod
     def close(self) -> None:

@@ -9,6 +9,7 @@ the expected transfer and the pool is the receiver's check.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,8 +71,9 @@ def encode_header(header: Header) -> bytes:
     return frame
 
 
-def decode_header(frame: bytes) -> Header:
-    """Raises FrameError, never anything else."""
+def decode_header(frame: bytes, kinds: Mapping[str, type] = KINDS) -> Any:
+    """Raises FrameError, never anything else. A transport with messages of its own passes
+    `kinds` (these headers' kinds plus its own) to get the same checks for all of them."""
     if len(frame) > MAX_HEADER_BYTES:
         raise FrameError(f"header of {len(frame)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
@@ -83,7 +85,7 @@ def decode_header(frame: bytes) -> Header:
     request_id = raw.get("request_id")
     request_id = request_id if isinstance(request_id, str) else None
     kind = raw.pop("kind", None)
-    cls = KINDS.get(kind) if isinstance(kind, str) else None
+    cls = kinds.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise FrameError("unknown header kind", request_id)
     try:

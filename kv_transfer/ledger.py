@@ -219,6 +219,24 @@ class ReceiverLedger:
         entry.transfer.metadata = metadata
         self.table.finish(request_id, TransferState.DONE)
 
+    def started(self, request_id: str) -> Incoming | None:
+        """A sender announced the transfer (transports whose sender writes the pool itself)."""
+        entry = self._known(request_id, "start")
+        if entry is not None and entry.transfer.state is TransferState.PENDING:
+            entry.transfer.move_to(TransferState.IN_FLIGHT)
+        return entry
+
+    def complete_written(self, request_id: str, metadata: dict[str, Any]) -> None:
+        """Completion of a transfer whose sender wrote every layer into the pool itself (CUDA
+        IPC) and vouches that the writes have finished: no layer frames to check."""
+        entry = self._known(request_id, "complete")
+        if entry is None:
+            return
+        for layer in range(self.num_layers):
+            self.layer_written(entry, layer)
+        entry.transfer.metadata = metadata
+        self.table.finish(request_id, TransferState.DONE)
+
     def abort(self, request_id: str, reason: str) -> None:
         if self._known(request_id, "abort") is not None:
             self.fail(request_id, f"aborted by sender: {reason}")

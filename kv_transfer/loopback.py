@@ -71,9 +71,10 @@ class LoopbackReceiver(KVReceiver):
                 self._process_inbox()
             return table.drain()
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, request_id: str) -> bool:
         with self._cond:
             self._ledger.table.forget(request_id)
+        return True  # layers are written under this receiver's lock, which now drops them
 
     def close(self) -> None:
         with _RECEIVERS_LOCK:

@@ -25,9 +25,20 @@ def _index(pool: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
     return torch.tensor(block_ids, dtype=torch.long, device=pool.device)
 
 
-def gather_layer(pool: torch.Tensor, layer: int, block_ids: list[int]) -> torch.Tensor:
+def upload_ids(ids: list[int], device: torch.device, stream: torch.cuda.Stream) -> torch.Tensor:
+    """Block ids as a device tensor, enqueued on `stream`. `torch.tensor(ids, device=cuda)`
+    would be a pageable, blocking copy: it would wait for the compute the side stream waits
+    on. Pinned + non_blocking does not."""
+    host = torch.tensor(ids, dtype=torch.long).pin_memory()
+    with torch.cuda.stream(stream):
+        return host.to(device, non_blocking=True)
+
+
+def gather_layer(
+    pool: torch.Tensor, layer: int, block_ids: list[int], index: torch.Tensor | None = None
+) -> torch.Tensor:
     """A contiguous copy of the layer's K and V of `block_ids`, on the pool's device."""
-    return pool[layer].index_select(1, _index(pool, block_ids))
+    return pool[layer].index_select(1, _index(pool, block_ids) if index is None else index)
 
 
 def scatter_layer(
@@ -83,8 +94,9 @@ class HostStager:
         if self._stream is None:
             return gather_layer(pool, layer, block_ids), None
         self._stream.wait_stream(torch.cuda.current_stream(pool.device))
+        index = upload_ids(block_ids, pool.device, self._stream)
         with torch.cuda.stream(self._stream):
-            gathered = gather_layer(pool, layer, block_ids)
+            gathered = gather_layer(pool, layer, block_ids, index)
             host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
             host.copy_(gathered, non_blocking=True)
             ready = torch.cuda.Event()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kv_transfer.base import KVReceiver, KVSender, TransferConfig
+from kv_transfer.cuda_ipc import CudaIpcReceiver, CudaIpcSender
 from kv_transfer.loopback import LoopbackReceiver, LoopbackSender
 from kv_transfer.zmq_transport import ZmqReceiver, ZmqSender
 
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
 TRANSPORTS: dict[str, tuple[type[KVSender], type[KVReceiver]]] = {
     "zmq": (ZmqSender, ZmqReceiver),
     "loopback": (LoopbackSender, LoopbackReceiver),
+    "cuda_ipc": (CudaIpcSender, CudaIpcReceiver),
 }
 
 

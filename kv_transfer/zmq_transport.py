@@ -219,8 +219,9 @@ class ZmqReceiver(KVReceiver):
             self._expire()
         return table.drain()
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, request_id: str) -> bool:
         self._ledger.table.forget(request_id)
+        return True  # only this receiver writes the pool, and it drops the request's frames
 
     def close(self) -> None:
         if self._closed:

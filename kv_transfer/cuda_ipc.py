@@ -1,0 +1,281 @@
+"""CUDA IPC transport: the prefill GPU writes KV straight into the decode node's pool.
+
+Connection: the receiver binds one ZMQ ROUTER socket; each sender connects one DEALER per
+receiver and, on its first begin() there (or connect()), says "hello" and waits up to
+HANDSHAKE_TIMEOUT_S for the pool export (messages: kv_transfer.ipc_handles). The sender then
+writes layers itself (kv_transfer.ipc_writer) and sends only small notices on the socket. When
+IPC cannot work (other host, CPU pool, GPU not visible, no peer access, layouts differ, the
+handle does not open, no reply) it falls back, with one warning per receiver, to the zmq wire
+format on the same socket: [layer header, payload] frames staged through pinned host memory.
+
+One request, on the socket (ZMQ keeps each connection's order):
+  "start" (mode: direct or frames)  [layer frames, frames mode]  "complete" | "abort"
+Direct mode: the sender sends "complete" only once the events of all its writes completed, so
+sender-side DONE and receiver-side DONE both mean the bytes are in the decode pool. Frames mode
+behaves like zmq_transport (sender DONE = the notice was handed to zmq).
+
+Ending a request from the decode side (cancel(), deadline, malformed message): while a sender
+may be writing the blocks itself (direct mode, or no "start" seen yet), the receiver sends it
+"cancel" (to every connected sender when the writer is unknown), keeps the blocks, and reports
+the transfer FAILED only when the sender answers "abort" (sent after its queued copies
+finished) or "complete", or after CANCEL_GRACE_S without an answer. A sender remembers cancels
+of requests it has not begun, and fails their begin() at once, so no write starts afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zmq
+
+from kv_transfer.base import KVReceiver, Transfer, TransferConfig
+from kv_transfer.frames import (
+    AbortHeader,
+    CompleteHeader,
+    FrameError,
+    LayerHeader,
+)
+from kv_transfer.ipc_handles import (
+    Cancel,
+    Hello,
+    IpcUnavailable,
+    NoExport,
+    PoolExport,
+    Reset,
+    Start,
+    decode_message,
+    encode_message,
+    export_pool,
+    forget_export,
+    host_id,
+)
+from kv_transfer.ipc_sender import CudaIpcSender, Route
+from kv_transfer.ledger import DEADLINE_EXCEEDED, ReceiverLedger
+from kv_transfer.pool_io import from_bytes, payload_error, scatter_layer
+from kv_transfer.zmq_transport import MAX_MESSAGES_PER_POLL, RECV_HWM
+
+__all__ = ["CANCEL_GRACE_S", "CANCELLED", "CudaIpcReceiver", "CudaIpcSender", "Route"]
+
+log = logging.getLogger(__name__)
+
+CANCEL_GRACE_S = 10.0  # how long cancelled blocks stay held when the sender never answers
+CANCELLED = "cancelled"
+MAX_PEERS = 4096  # senders remembered for cancel broadcasts (a DEALER reconnect is a new peer)
+
+
+@dataclass
+class _Writer:
+    identity: bytes  # the sender's DEALER, as the ROUTER names it
+    direct: bool  # it writes the pool itself
+
+
+class CudaIpcReceiver(KVReceiver):
+    def __init__(
+        self,
+        pool: torch.Tensor,
+        config: TransferConfig,
+        bind_address: str,
+        cancel_grace_s: float = CANCEL_GRACE_S,
+    ) -> None:
+        self._pool = pool
+        self._ledger = ReceiverLedger(config, num_layers=pool.shape[0], num_blocks=pool.shape[2])
+        self._grace_s = cancel_grace_s
+        self._session = secrets.token_hex(8)
+        try:  # once: the pool never moves
+            self._export: PoolExport | NoExport = export_pool(pool, self._session)
+        except IpcUnavailable as exc:
+            self._export = NoExport(self._session, host_id(), str(exc))
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.RCVHWM, RECV_HWM)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        try:
+            self._sock.bind(bind_address)  # "tcp://127.0.0.1:0" picks a free port
+        except zmq.ZMQError as exc:
+            self._sock.close()
+            self._ctx.term()
+            forget_export(self._session)
+            raise ValueError(f"cannot bind KV receiver to {bind_address!r}: {exc}") from None
+        self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._peers: OrderedDict[bytes, None] = OrderedDict()  # said hello, newest last
+        self._writers: dict[str, _Writer] = {}  # from each active request's "start"
+        self._cancelling: dict[str, str] = {}  # request -> the error it will be reported with
+        self._closed = False
+
+    def expect(self, request_id: str, block_ids: list[int]) -> Transfer:
+        return self._ledger.expect(request_id, block_ids)
+
+    def poll(self, timeout_s: float = 0.0) -> list[Transfer]:
+        self._receive_available()
+        self._expire()
+        table = self._ledger.table
+        if timeout_s > 0 and not table.has_finished:
+            now = time.monotonic()
+            until = now + timeout_s
+            next_deadline = table.next_deadline()  # includes the end of each cancel's grace
+            if next_deadline is not None:
+                until = min(until, next_deadline)
+            if self._sock.poll(max(0, math.ceil((until - now) * 1000))):
+                self._receive_available()
+            self._expire()
+        finished = table.drain()
+        for transfer in finished:
+            self._writers.pop(transfer.request_id, None)
+            self._cancelling.pop(transfer.request_id, None)
+        return finished
+
+    def cancel(self, request_id: str) -> bool:
+        if request_id in self._cancelling:
+            return False
+        if self._stop(request_id, CANCELLED):
+            self._ledger.table.forget(request_id)
+            self._writers.pop(request_id, None)
+            return True
+        return False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        forget_export(self._session)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    # -- ending a transfer from this side ------------------------------------------------------
+    def _stop(self, request_id: str, error: str) -> bool:
+        """Stop a transfer this side gave up on. True: nobody writes its blocks any more (the
+        caller fails or forgets it). False: a sender may; it is asked to stop and the transfer is
+        reported FAILED(`error`) on its answer or when the grace period ends."""
+        entry = self._ledger.table.get(request_id)
+        if entry is None:
+            return True
+        writer = self._writers.get(request_id)
+        targets = [writer.identity] if writer is not None else list(self._peers)
+        for identity in targets:
+            self._send(identity, Cancel(request_id))
+        if writer is not None and not writer.direct:
+            return True  # frames mode: its bytes only reach the pool through this receiver
+        self._cancelling[request_id] = error
+        entry.transfer.deadline = time.monotonic() + self._grace_s
+        return False
+
+    def _fail(self, request_id: str, error: str) -> None:
+        if self._stop(request_id, error):
+            self._ledger.fail(request_id, error)
+
+    def _expire(self) -> None:
+        for entry in self._ledger.table.overdue(time.monotonic()):
+            request_id = entry.transfer.request_id
+            error = self._cancelling.get(request_id)
+            if error is None:
+                self._fail(request_id, DEADLINE_EXCEEDED)
+            else:  # the grace period ended without an answer: the sender is gone
+                log.warning("no answer to the cancel of %s; reusing its blocks", request_id)
+                self._ledger.fail(request_id, error)
+
+    def _confirmed(self, request_id: str) -> bool:
+        """A sender's abort or complete ends a cancelled transfer: its writes are over."""
+        error = self._cancelling.get(request_id)
+        if error is not None:
+            self._ledger.fail(request_id, error)
+        return error is not None
+
+    # -- messages ------------------------------------------------------------------------------
+    def _receive_available(self) -> None:
+        for _ in range(MAX_MESSAGES_PER_POLL):
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(frames) >= 2:  # the ROUTER puts the sender's identity first
+                self._handle(frames[0].bytes, frames[1:])
+
+    def _handle(self, identity: bytes, frames: list[zmq.Frame]) -> None:
+        """Act on one message; a bad one fails its transfer (if it names one) or is dropped."""
+        try:
+            message = decode_message(frames[0].bytes)
+        except FrameError as exc:
+            if exc.request_id is not None:
+                self._fail(exc.request_id, f"malformed frame: {exc}")
+            else:
+                log.debug("dropped malformed KV message: %s", exc)
+            return
+        parts = 2 if isinstance(message, LayerHeader) else 1
+        if len(frames) != parts:
+            request_id = getattr(message, "request_id", None)
+            if request_id is not None:
+                self._fail(request_id, f"message has {len(frames)} parts, not {parts}")
+        elif isinstance(message, Hello):
+            self._peers[identity] = None
+            self._peers.move_to_end(identity)
+            while len(self._peers) > MAX_PEERS:
+                self._peers.popitem(last=False)
+            self._send(identity, self._export)
+        elif isinstance(message, Start):
+            self._start(identity, message)
+        elif isinstance(message, LayerHeader):
+            if self._ledger.table.get(message.request_id) is not None:
+                self._writers.setdefault(message.request_id, _Writer(identity, direct=False))
+            if message.request_id not in self._cancelling:
+                self._write_layer(message, frames[1].buffer)
+        elif isinstance(message, CompleteHeader):
+            writer = self._writers.get(message.request_id)
+            if self._confirmed(message.request_id):
+                pass
+            elif writer is not None and writer.direct:
+                self._ledger.complete_written(message.request_id, message.metadata)
+            else:
+                self._ledger.complete(message.request_id, message.metadata)
+        elif isinstance(message, AbortHeader):
+            if not self._confirmed(message.request_id):
+                self._ledger.abort(message.request_id, message.reason)
+        else:
+            log.debug("dropped a %s message sent to a KV receiver", type(message).__name__)
+
+    def _start(self, identity: bytes, start: Start) -> None:
+        request_id = start.request_id
+        if self._ledger.table.get(request_id) is None:
+            return  # unexpected or already ended: nothing to start
+        self._writers[request_id] = _Writer(identity, start.direct)
+        if start.direct and start.session != self._session:
+            # It writes through an export of an earlier receiver at this address: not our pool.
+            self._send(identity, Reset("the receiver restarted; connect again"))
+            self._cancelling.pop(request_id, None)
+            self._ledger.fail(request_id, "the sender wrote through a stale pool export")
+        elif request_id in self._cancelling:
+            self._send(identity, Cancel(request_id))  # it may have begun after the broadcast
+            if not start.direct:
+                self._ledger.fail(request_id, self._cancelling.pop(request_id))
+        else:
+            self._ledger.started(request_id)
+
+    def _write_layer(self, header: LayerHeader, buffer: memoryview) -> None:
+        """Frames mode: exactly the zmq receiver's checks and write."""
+        entry = self._ledger.accept_layer(header)
+        if entry is None:
+            return
+        error = payload_error(self._pool, header, buffer.nbytes)
+        if error is not None:
+            self._ledger.fail(header.request_id, error)
+            return
+        payload = from_bytes(buffer, self._pool.dtype, header.shape)
+        try:
+            scatter_layer(self._pool, header.layer, header.block_ids, payload)
+        except RuntimeError as exc:  # e.g. out of device memory for the staging copy
+            log.exception("writing KV of %s failed", header.request_id)
+            self._ledger.fail(header.request_id, f"write failed: {exc}")
+            return
+        self._ledger.layer_written(entry, header.layer)
+
+    def _send(self, identity: bytes, message: Any) -> None:
+        try:
+            self._sock.send_multipart([identity, encode_message(message)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # a peer that went away or stopped reading
+            log.debug("could not send %s to a KV sender: %s", type(message).__name__, exc)

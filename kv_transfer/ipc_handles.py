@@ -1,0 +1,233 @@
+"""CUDA IPC plumbing of the cuda_ipc transport: the handshake messages, and exporting and
+opening a decode node's KV pool.
+
+The decode node exports its pool once: `pool.untyped_storage()._share_cuda_()` gives the CUDA
+IPC handle of the allocation holding it (plus torch's IPC ref-counter and event handles); with
+dtype, shape, stride and storage offset, a sender rebuilds a tensor over the same memory with
+`torch.UntypedStorage._new_shared_cuda`. Device indices differ between processes
+(CUDA_VISIBLE_DEVICES), so the export names the GPU by UUID; it names the host (hostname + boot
+id) too, since a handle means nothing on another machine or after a reboot.
+
+Messages (msgpack `{"kind": ..., **fields}`, checked like kv_transfer.frames' headers):
+  sender -> receiver  "hello"                 first contact (the sender's first begin())
+  receiver -> sender  "export" | "no_export"  the pool handle, or why there is none
+  sender -> receiver  "start"                 a transfer begins; sent before any of its bytes
+  receiver -> sender  "cancel"                stop writing that request, answer with "abort"
+  receiver -> sender  "reset"                 your export is stale (this receiver restarted)
+plus the "layer", "complete" and "abort" headers of kv_transfer.frames.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import weakref
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import torch
+
+from kv_transfer.frames import KINDS, decode_header
+
+
+@dataclass(frozen=True)
+class Hello:
+    host_id: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class PoolExport:
+    session: str  # random per receiver: a "start" naming another session used a stale export
+    host_id: str
+    pid: int
+    device_uuid: str
+    dtype: str  # str(torch dtype)
+    shape: list[int]  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    stride: list[int]
+    storage_offset: int  # elements
+    # The fields of `torch.UntypedStorage._share_cuda_()`, in its order (the device index is
+    # the receiver's own; the sender substitutes the index of the same GPU in its process).
+    storage_device: int
+    storage_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+@dataclass(frozen=True)
+class NoExport:
+    session: str
+    host_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Start:
+    request_id: str
+    session: str  # of the export the sender writes through ("" when it sends frames)
+    direct: bool  # True: the sender writes the pool itself; False: layers come as frames
+
+
+@dataclass(frozen=True)
+class Cancel:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Reset:
+    reason: str
+
+
+IPC_KINDS: dict[str, type] = {
+    "hello": Hello,
+    "export": PoolExport,
+    "no_export": NoExport,
+    "start": Start,
+    "cancel": Cancel,
+    "reset": Reset,
+}
+ALL_KINDS: dict[str, type] = {**KINDS, **IPC_KINDS}
+_KIND_OF: dict[type, str] = {cls: kind for kind, cls in IPC_KINDS.items()}
+
+
+def encode_message(message: Any) -> bytes:
+    """One of this module's messages (frames' headers have `encode_header`)."""
+    fields = dataclasses.asdict(message)
+    return msgpack.packb({"kind": _KIND_OF[type(message)], **fields}, use_bin_type=True)
+
+
+def decode_message(frame: bytes) -> Any:
+    """Any message of the cuda_ipc wire (frames' headers included); raises FrameError only."""
+    return decode_header(frame, ALL_KINDS)
+
+
+# -- who and where ----------------------------------------------------------------------------
+
+
+@cache
+def host_id() -> str:
+    """Hostname plus kernel boot id: equal only for processes that can share CUDA IPC handles."""
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    boot_id = boot.read_text().strip() if boot.exists() else "no-boot-id"
+    return f"{socket.gethostname()}/{boot_id}"
+
+
+def device_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def local_device_index(uuid: str) -> int | None:
+    """The index this process gives the GPU with `uuid`, None if it does not see that GPU."""
+    return next((i for i in range(torch.cuda.device_count()) if device_uuid(i) == uuid), None)
+
+
+# -- export and open ----------------------------------------------------------------------------
+
+
+class IpcUnavailable(Exception):
+    """CUDA IPC cannot be used between these two pools; the message says why."""
+
+
+# Pools exported by receivers of this process, by session: CUDA refuses to open an IPC handle in
+# the process that exported it, so a sender in the same process (tests, single-process setups)
+# uses the tensor itself. Weak, so a forgotten receiver does not keep its pool alive.
+_IN_PROCESS: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def export_pool(pool: torch.Tensor, session: str) -> PoolExport:
+    """Export the pool's allocation once (raises IpcUnavailable). Until `forget_export`, a sender
+    in this process finds the pool by session."""
+    if pool.device.type != "cuda":
+        raise IpcUnavailable(f"the receiver's pool is on {pool.device.type}, not a GPU")
+    try:
+        fields = pool.untyped_storage()._share_cuda_()
+    except RuntimeError as exc:  # e.g. an allocator configuration that cannot share
+        raise IpcUnavailable(f"the receiver cannot export its pool: {exc}") from None
+    device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = fields
+    _IN_PROCESS[session] = pool
+    return PoolExport(
+        session=session,
+        host_id=host_id(),
+        pid=os.getpid(),
+        device_uuid=device_uuid(pool.device.index),
+        dtype=str(pool.dtype),
+        shape=list(pool.shape),
+        stride=list(pool.stride()),
+        storage_offset=pool.storage_offset(),
+        storage_device=device,
+        storage_handle=handle,
+        storage_size_bytes=size,
+        storage_offset_bytes=offset,
+        ref_counter_handle=ref_handle,
+        ref_counter_offset=ref_offset,
+        event_handle=event_handle,
+        event_sync_required=bool(event_sync),
+    )
+
+
+def forget_export(session: str) -> None:
+    _IN_PROCESS.pop(session, None)
+
+
+def open_pool(export: PoolExport, local_pool: torch.Tensor) -> torch.Tensor:
+    """The receiver's pool as a tensor of this process, on the GPU that holds it (its index in
+    this process). Raises IpcUnavailable with the reason when the sender must send frames."""
+    if export.host_id != host_id():
+        raise IpcUnavailable(f"the receiver runs on another host ({export.host_id})")
+    if local_pool.device.type != "cuda":
+        raise IpcUnavailable(f"the local pool is on {local_pool.device.type}, not a GPU")
+    local_layout = [str(local_pool.dtype), local_pool.shape[0], *local_pool.shape[3:]]
+    remote_layout = [export.dtype, *export.shape[:1], *export.shape[3:]]
+    if len(export.shape) != local_pool.dim() or remote_layout != local_layout:
+        raise IpcUnavailable(
+            f"pool layouts differ: receiver {export.dtype} {export.shape}, "
+            f"sender {local_pool.dtype} {list(local_pool.shape)}"
+        )
+    index = local_device_index(export.device_uuid)
+    if index is None:
+        raise IpcUnavailable(f"the receiver's GPU {export.device_uuid} is not visible here")
+    here = local_pool.device.index
+    if index != here and not torch.cuda.can_device_access_peer(here, index):
+        raise IpcUnavailable(f"cuda:{here} has no peer access to the receiver's cuda:{index}")
+    if export.pid == os.getpid():
+        pool = _IN_PROCESS.get(export.session)
+        if pool is None:
+            raise IpcUnavailable("the receiver of this process that exported the pool is gone")
+        return pool
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(
+            index,
+            export.storage_handle,
+            export.storage_size_bytes,
+            export.storage_offset_bytes,
+            export.ref_counter_handle,
+            export.ref_counter_offset,
+            export.event_handle,
+            export.event_sync_required,
+        )
+    except Exception as exc:  # torch surfaces CUDA IPC errors as RuntimeError, others as TypeError
+        raise IpcUnavailable(f"cannot open the receiver's IPC handle: {exc}") from None
+    return _view(storage, export, local_pool, index)
+
+
+def _view(
+    storage: torch.UntypedStorage, export: PoolExport, local_pool: torch.Tensor, index: int
+) -> torch.Tensor:
+    """`set_` does not bound-check an untyped storage; do it, since a bad export would let the
+    sender write outside the receiver's pool."""
+    shape, stride = export.shape, export.stride
+    if len(stride) != len(shape) or min(shape) <= 0 or min(stride) < 0 or export.storage_offset < 0:
+        raise IpcUnavailable(f"bad pool geometry: shape {shape}, stride {stride}")
+    last = export.storage_offset + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
+    if (last + 1) * local_pool.element_size() > storage.nbytes():
+        raise IpcUnavailable(f"the exported pool does not fit its {storage.nbytes()}-byte storage")
+    tensor = torch.empty(0, dtype=local_pool.dtype, device=torch.device("cuda", index))
+    return tensor.set_(storage, export.storage_offset, shape, stride)

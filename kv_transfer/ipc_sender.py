@@ -1,0 +1,363 @@
+"""The prefill side of the cuda_ipc transport (protocol: kv_transfer.cuda_ipc's docstring).
+
+Per receiver address, one DEALER socket and one handshake, whose outcome (`Route`) is kept for
+the sender's lifetime (until the receiver sends "reset"): direct CUDA IPC writes through a
+`DirectWriter`, or zmq-style frames staged through pinned host memory (`HostStager`).
+
+Non-blocking contract: begin() blocks only for a first handshake (up to HANDSHAKE_TIMEOUT_S;
+connect() does it ahead of time); in direct mode send_layer() queues GPU work and returns without
+a host sync (frames mode stages like zmq_transport); complete() queues the notice, which poll()
+(or a later call) sends once the request's last write event completed. abort() and failures
+wait for the request's queued copies, so its source blocks are free to reuse when the caller
+learns of it. Incoming "cancel" / "reset" notices are read at the start of every call.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zmq
+
+from kv_transfer.base import KVSender, Transfer, TransferConfig, TransferState
+from kv_transfer.frames import AbortHeader, CompleteHeader, FrameError, LayerHeader, encode_header
+from kv_transfer.ipc_handles import (
+    Cancel,
+    Hello,
+    IpcUnavailable,
+    NoExport,
+    PoolExport,
+    Reset,
+    Start,
+    decode_message,
+    encode_message,
+    host_id,
+    open_pool,
+)
+from kv_transfer.ipc_writer import BlockIndex, DirectWriter
+from kv_transfer.ledger import DEADLINE_EXCEEDED, INJECTED_FAILURE, Outgoing, SenderLedger
+from kv_transfer.pool_io import HostStager, as_bytes
+from kv_transfer.zmq_transport import MAX_MESSAGES_PER_POLL, SEND_HWM
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT_S = 5.0
+CANCELLED_BY_RECEIVER = "cancelled by the receiver"
+REMEMBERED_CANCELS = 10_000  # cancels of requests not begun yet, kept so begin() can refuse them
+
+
+@dataclass(frozen=True)
+class Route:
+    """How this sender reaches one receiver."""
+
+    direct: bool  # True: CUDA IPC writes into its pool; False: frames through host memory
+    reason: str  # why not direct ("" when direct)
+    device: str  # the receiver's GPU as this process names it ("" when not direct)
+
+
+@dataclass
+class _Destination:
+    address: str
+    socket: zmq.Socket
+    route: Route | None = None  # None until a handshake (again after a "reset")
+    writer: DirectWriter | None = None
+    session: str = ""
+
+
+@dataclass
+class _DirectJob:
+    address: str
+    writer: DirectWriter
+    index: BlockIndex
+    last_write: torch.cuda.Event | None = None  # completes after every earlier write of the job
+    completion: bytes | None = None  # the encoded "complete", sent once last_write completed
+
+
+@dataclass
+class _Queued:  # frames mode, as in zmq_transport
+    entry: Outgoing
+    frames: list[Any]
+    ready: torch.cuda.Event | None  # the device-to-host copy the payload waits for
+    completes: bool
+
+
+class CudaIpcSender(KVSender):
+    def __init__(self, pool: torch.Tensor, config: TransferConfig) -> None:
+        self._pool = pool
+        self._ledger = SenderLedger(config, num_layers=pool.shape[0], num_blocks=pool.shape[2])
+        self._stager = HostStager(pool.device)
+        self._side = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
+        self._ctx = zmq.Context()
+        self._destinations: dict[str, _Destination] = {}
+        self._jobs: dict[str, _DirectJob] = {}
+        self._queue: deque[_Queued] = deque()
+        self._cancelled: OrderedDict[tuple[str, str], None] = OrderedDict()  # (address, id)
+        self._closed = False
+
+    def connect(self, dest_address: str) -> Route | None:
+        """Handshake now rather than in the first begin(); None if the address is unusable."""
+        dest = self._destination(dest_address)
+        return None if dest is None else dest.route
+
+    def route(self, dest_address: str) -> Route | None:
+        """The path to a receiver already contacted, None before the first contact."""
+        dest = self._destinations.get(dest_address)
+        return None if dest is None else dest.route
+
+    def begin(
+        self,
+        request_id: str,
+        dest_address: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+    ) -> Transfer:
+        self._notices()
+        entry = self._ledger.begin(request_id, dest_address, src_block_ids, dst_block_ids)
+        dest = self._destination(dest_address)
+        if dest is None:
+            self._ledger.table.finish(
+                request_id, TransferState.FAILED, f"cannot connect to {dest_address!r}"
+            )
+            return entry.transfer
+        if (dest_address, request_id) in self._cancelled:
+            del self._cancelled[dest_address, request_id]
+            self._fail(entry, CANCELLED_BY_RECEIVER)
+            return entry.transfer
+        writer = dest.writer
+        if writer is not None:
+            outside = [b for b in dst_block_ids if b >= writer.remote_num_blocks]
+            if outside:
+                self._fail(entry, f"destination blocks {outside[:8]} outside the receiver's pool")
+                return entry.transfer
+            index = writer.index(entry.transfer.block_ids, entry.dst_block_ids)
+            self._jobs[request_id] = _DirectJob(dest_address, writer, index)
+        direct = writer is not None
+        start = Start(request_id, dest.session if direct else "", direct=direct)
+        if not self._send(dest_address, [encode_message(start)]):
+            self._fail(entry, f"send queue to {dest_address} is full")
+        return entry.transfer
+
+    def send_layer(self, request_id: str, layer: int) -> None:
+        self._notices()
+        entry = self._ledger.lookup(request_id)
+        if entry is None:
+            return
+        self._ledger.check_layer(entry, layer)
+        if entry.doomed:
+            self._fail(entry, INJECTED_FAILURE)
+            return
+        job = self._jobs.get(request_id)
+        if job is not None:
+            try:
+                job.last_write = job.writer.write_layer(layer, job.index)
+            except RuntimeError as exc:  # e.g. out of memory for the staging buffer
+                log.exception("CUDA IPC write of %s failed", request_id)
+                self._fail(entry, f"CUDA IPC write failed: {exc}")
+                return
+        else:
+            payload, ready = self._stager.stage(self._pool, layer, entry.transfer.block_ids)
+            header = LayerHeader(
+                request_id, layer, entry.dst_block_ids, str(payload.dtype), list(payload.shape)
+            )
+            frames = [encode_header(header), as_bytes(payload)]
+            self._queue.append(_Queued(entry, frames, ready, completes=False))
+        self._ledger.layer_sent(entry, layer)
+        self._progress()
+
+    def complete(self, request_id: str, metadata: dict[str, Any]) -> None:
+        self._notices()
+        entry = self._ledger.lookup(request_id)
+        if entry is None:
+            return
+        self._ledger.check_complete(entry)
+        frame = encode_header(CompleteHeader(request_id, metadata))
+        job = self._jobs.get(request_id)
+        if job is not None:
+            job.completion = frame
+        else:
+            self._queue.append(_Queued(entry, [frame], None, completes=True))
+        self._progress()
+
+    def abort(self, request_id: str, reason: str) -> None:
+        entry = self._ledger.table.get(request_id)
+        if entry is not None:
+            self._fail(entry, reason)
+
+    def poll(self) -> list[Transfer]:
+        self._notices()
+        self._progress()
+        for entry in self._ledger.table.overdue(time.monotonic()):
+            self._fail(entry, DEADLINE_EXCEEDED)
+        return self._ledger.table.drain()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for job in self._jobs.values():  # no copy may still touch either pool after close
+            if job.last_write is not None:
+                job.last_write.synchronize()
+        self._jobs.clear()
+        self._queue.clear()
+        self._stager.synchronize()
+        for dest in self._destinations.values():
+            dest.socket.close(linger=0)
+        self._destinations.clear()  # drops the opened remote pools
+        self._ctx.term()
+
+    # -- progress and failure -------------------------------------------------------------------
+    def _progress(self) -> None:
+        """Send what became ready: queued frames in order, then finished direct transfers."""
+        while self._queue:
+            head = self._queue[0]
+            if head.ready is not None and not head.ready.query():
+                break
+            self._queue.popleft()
+            address = head.entry.dest_address
+            if not self._send(address, head.frames):
+                self._fail(head.entry, f"send queue to {address} is full")
+            elif head.completes:
+                self._ledger.table.finish(head.entry.transfer.request_id, TransferState.DONE)
+        for request_id, job in list(self._jobs.items()):
+            if job.completion is None:
+                continue
+            if job.last_write is not None and not job.last_write.query():
+                continue
+            del self._jobs[request_id]
+            entry = self._ledger.table.get(request_id)
+            if entry is None:
+                continue
+            if self._send(job.address, [job.completion]):
+                self._ledger.table.finish(request_id, TransferState.DONE)
+            else:
+                self._fail(entry, f"send queue to {job.address} is full")
+
+    def _fail(self, entry: Outgoing, reason: str) -> None:
+        """FAILED here, abort there, after the copies still touching the request's blocks."""
+        request_id = entry.transfer.request_id
+        job = self._jobs.pop(request_id, None)
+        if job is not None and job.last_write is not None:
+            job.last_write.synchronize()
+        kept: deque[_Queued] = deque()
+        for queued in self._queue:
+            if queued.entry is not entry:
+                kept.append(queued)
+            elif queued.ready is not None:
+                queued.ready.synchronize()
+        self._queue = kept
+        self._ledger.table.finish(request_id, TransferState.FAILED, reason)
+        self._send(entry.dest_address, [encode_header(AbortHeader(request_id, reason))])
+
+    # -- sockets, handshake, notices ------------------------------------------------------------
+    def _destination(self, address: str) -> _Destination | None:
+        dest = self._destinations.get(address)
+        if dest is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+            sock.setsockopt(zmq.LINGER, 0)
+            try:
+                sock.connect(address)
+            except zmq.ZMQError as exc:
+                log.warning("cannot connect to KV receiver %r: %s", address, exc)
+                sock.close(linger=0)
+                return None
+            dest = self._destinations[address] = _Destination(address, sock)
+        if dest.route is None:
+            self._handshake(dest)
+        return dest
+
+    def _handshake(self, dest: _Destination) -> None:
+        reply = None
+        if self._send(dest.address, [encode_message(Hello(host_id(), os.getpid()))]):
+            reply = self._await_export(dest)
+        dest.writer, dest.session, reason = None, "", ""
+        if reply is None:
+            reason = f"no answer to the handshake within {HANDSHAKE_TIMEOUT_S} s"
+        elif isinstance(reply, NoExport):
+            dest.session, reason = reply.session, reply.reason
+        else:
+            dest.session = reply.session
+            try:
+                remote = open_pool(reply, self._pool)
+            except IpcUnavailable as exc:
+                reason = str(exc)
+            else:
+                assert self._side is not None  # open_pool refuses a pool that is not on a GPU
+                dest.writer = DirectWriter(self._pool, remote, self._side)
+        if dest.writer is None:
+            dest.route = Route(direct=False, reason=reason, device="")
+            log.warning(
+                "cuda_ipc: KV to %s goes as frames through host memory, not CUDA IPC: %s",
+                dest.address,
+                reason,
+            )
+        else:
+            dest.route = Route(direct=True, reason="", device=str(dest.writer.remote.device))
+            log.info("cuda_ipc: KV to %s is written straight into its pool", dest.address)
+
+    def _await_export(self, dest: _Destination) -> PoolExport | NoExport | None:
+        until = time.monotonic() + HANDSHAKE_TIMEOUT_S
+        while (left := until - time.monotonic()) > 0:
+            if not dest.socket.poll(math.ceil(left * 1000)):
+                return None
+            message = self._receive(dest)
+            if isinstance(message, (PoolExport, NoExport)):
+                return message
+            if isinstance(message, Cancel):
+                self._on_notice(dest, message)
+        return None
+
+    def _notices(self) -> None:
+        for dest in list(self._destinations.values()):
+            for _ in range(MAX_MESSAGES_PER_POLL):
+                if not dest.socket.poll(0):
+                    break
+                message = self._receive(dest)
+                if message is not None:
+                    self._on_notice(dest, message)
+
+    def _receive(self, dest: _Destination) -> Any:
+        """One message from the receiver, None if none is waiting or it does not decode."""
+        try:
+            frames = dest.socket.recv_multipart(zmq.NOBLOCK)
+            return decode_message(frames[0])
+        except zmq.Again:
+            return None
+        except FrameError as exc:
+            log.debug("dropped malformed message from %s: %s", dest.address, exc)
+            return None
+
+    def _on_notice(self, dest: _Destination, message: Any) -> None:
+        if isinstance(message, Cancel):
+            entry = self._ledger.table.get(message.request_id)
+            if entry is None:
+                self._cancelled[dest.address, message.request_id] = None
+                while len(self._cancelled) > REMEMBERED_CANCELS:
+                    self._cancelled.popitem(last=False)
+            elif entry.dest_address == dest.address:
+                self._fail(entry, CANCELLED_BY_RECEIVER)
+        elif isinstance(message, Reset):
+            log.warning("cuda_ipc: %s: %s", dest.address, message.reason)
+            for request_id, job in list(self._jobs.items()):
+                entry = self._ledger.table.get(request_id)
+                if job.address == dest.address and entry is not None:
+                    self._fail(entry, f"receiver reset: {message.reason}")
+            dest.route, dest.writer = None, None  # the next begin() there handshakes again
+        # Anything else (a late handshake reply, a receiver-bound kind) needs no action.
+
+    def _send(self, address: str, frames: list[Any]) -> bool:
+        dest = self._destinations.get(address)
+        if dest is None:
+            return False
+        try:
+            dest.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:  # Again: queue full; anything else: a broken socket
+            log.warning("send to %s failed: %s", address, exc)
+            return False
+        return True

@@ -1,0 +1,590 @@
+"""The cuda_ipc transport on CPU: handshake codec, export/open refusals, the frames fallback
+(CPU pools cannot be exported, so every transfer takes it, and the checks of
+tests/test_kv_transfer.py apply), the receiver's cancel contract, hostile messages on both
+sockets. Direct CUDA IPC writes: tests/test_kv_transfer_cuda_ipc_gpu.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from kv_transfer import TRANSPORTS, Transfer, TransferConfig, TransferState, create_receiver
+from kv_transfer import ipc_sender as ipc_sender_module
+from kv_transfer.base import KVReceiver, KVSender
+from kv_transfer.cuda_ipc import CANCELLED, CudaIpcReceiver, CudaIpcSender, Route
+from kv_transfer.frames import AbortHeader, CompleteHeader, FrameError, LayerHeader
+from kv_transfer.ipc_handles import (
+    Cancel,
+    Hello,
+    IpcUnavailable,
+    NoExport,
+    PoolExport,
+    Reset,
+    Start,
+    decode_message,
+    encode_message,
+    export_pool,
+    host_id,
+    open_pool,
+)
+from kv_transfer.ipc_sender import CANCELLED_BY_RECEIVER
+
+NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 3, 12, 4, 2, 8
+SHAPE = (NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM)
+MAX_WAIT_S = 20.0  # only a hang reaches it
+MAPPINGS = {  # request -> (source blocks, destination blocks)
+    "a": ([0, 1, 2], [5, 9, 3]),
+    "b": ([7], [0]),
+    "c": ([4, 10, 11, 6], [1, 2, 11, 7]),
+}
+ADDRESS = "tcp://127.0.0.1:0"
+
+
+def make_pool(dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(SHAPE, generator=g).to(dtype)
+
+
+def blocks(pool: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+    return pool[:, :, block_ids]
+
+
+def poll_until_terminal(receiver: KVReceiver, request_ids: set[str]) -> dict[str, Transfer]:
+    seen: dict[str, Transfer] = {}
+    until = time.monotonic() + MAX_WAIT_S
+    while not request_ids <= seen.keys():
+        assert time.monotonic() < until, f"never terminal: {sorted(request_ids - seen.keys())}"
+        seen.update((t.request_id, t) for t in receiver.poll(timeout_s=0.02))
+    return seen
+
+
+def poll_sender_until_terminal(sender: KVSender, request_ids: set[str]) -> dict[str, Transfer]:
+    seen: dict[str, Transfer] = {}
+    until = time.monotonic() + MAX_WAIT_S
+    while not request_ids <= seen.keys():
+        assert time.monotonic() < until, f"sender never terminal: {request_ids - seen.keys()}"
+        seen.update((t.request_id, t) for t in sender.poll())
+        time.sleep(0.005)
+    return seen
+
+
+def send_all(sender: KVSender, request_id: str, metadata: dict | None = None) -> None:
+    for layer in range(NUM_LAYERS):
+        sender.send_layer(request_id, layer)
+    sender.complete(request_id, metadata or {})
+
+
+def handshake(sender: CudaIpcSender, receiver: CudaIpcReceiver) -> Route:
+    """connect() blocks until the receiver answers, and a receiver answers only inside poll():
+    in a single-threaded test, serve it from a helper thread for the duration."""
+    stop = threading.Event()
+    returned: list[Transfer] = []
+
+    def serve() -> None:
+        while not stop.is_set():
+            returned.extend(receiver.poll(timeout_s=0.01))
+
+    server = threading.Thread(target=serve)
+    server.start()
+    try:
+        route = sender.connect(receiver.address)
+    finally:
+        stop.set()
+        server.join()
+    assert returned == [], "nothing may end during a handshake"
+    assert route is not None
+    return route
+
+
+@pytest.fixture
+def make_pair():
+    """(sender, receiver, src_pool, dst_pool) on CPU, handshaken; closed after the test."""
+    opened: list = []
+
+    def make(dtype=torch.float32, grace_s=5.0, connect=True, **config_kwargs):
+        config = TransferConfig(transport="cuda_ipc", **config_kwargs)
+        src, dst = make_pool(dtype, seed=1), make_pool(dtype, seed=2)
+        receiver = CudaIpcReceiver(dst, config, ADDRESS, cancel_grace_s=grace_s)
+        sender = CudaIpcSender(src, config)
+        opened.extend([sender, receiver])
+        if connect:
+            handshake(sender, receiver)
+        return sender, receiver, src, dst
+
+    yield make
+    for endpoint in opened:
+        endpoint.close()
+
+
+# -- wire messages --------------------------------------------------------------------------------
+
+
+def a_pool_export(**overrides: Any) -> PoolExport:
+    fields = dict(
+        session="s1",
+        host_id=host_id(),
+        pid=4242,
+        device_uuid="GPU-0000",
+        dtype="torch.bfloat16",
+        shape=list(SHAPE),
+        stride=[1] * 6,
+        storage_offset=0,
+        storage_device=0,
+        storage_handle=b"\x00\x01handle",
+        storage_size_bytes=1 << 20,
+        storage_offset_bytes=512,
+        ref_counter_handle=b"/torch_123_456",
+        ref_counter_offset=3,
+        event_handle=b"\xff" * 64,
+        event_sync_required=True,
+    )
+    return PoolExport(**{**fields, **overrides})
+
+
+def encode_fields(message: Any) -> dict:
+    return msgpack.unpackb(encode_message(message), raw=False)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        Hello(host_id(), 123),
+        a_pool_export(),
+        NoExport("s1", "host/boot", "the receiver's pool is on cpu, not a GPU"),
+        Start("r", "s1", direct=True),
+        Cancel("r"),
+        Reset("the receiver restarted; connect again"),
+    ],
+)
+def test_ipc_messages_round_trip_with_bytes_fields_intact(message):
+    assert decode_message(encode_message(message)) == message
+
+
+def test_the_ipc_codec_also_decodes_the_frames_headers():
+    from kv_transfer.frames import encode_header
+
+    for header in [
+        LayerHeader("r", 1, [4], "torch.bfloat16", [2, 1, 4, 2, 8]),
+        CompleteHeader("r", {"first_token": 3}),
+        AbortHeader("r", "bye"),
+    ]:
+        assert decode_message(encode_header(header)) == header
+
+
+@pytest.mark.parametrize(
+    "raw, request_id",
+    [
+        ({"kind": "hello", "host_id": "h", "pid": "1"}, None),
+        ({"kind": "hello", "host_id": "h"}, None),
+        ({"kind": "start", "request_id": "r", "session": "s", "direct": 1}, "r"),
+        ({"kind": "start", "request_id": "r", "session": "s", "direct": True, "x": 0}, "r"),
+        ({"kind": "cancel", "request_id": 7}, None),
+        ({"kind": "cancel", "request_id": "r", "reason": "extra"}, "r"),
+        ({"kind": "export", "session": "s"}, None),
+        ({**encode_fields(a_pool_export()), "storage_handle": "a str, not bytes"}, None),
+        ({**encode_fields(a_pool_export()), "event_sync_required": None}, None),
+        ({"kind": "teleport", "request_id": "r"}, "r"),
+    ],
+)
+def test_malformed_ipc_messages_raise_frame_error_naming_the_request_when_known(raw, request_id):
+    with pytest.raises(FrameError) as info:
+        decode_message(msgpack.packb(raw, use_bin_type=True))
+    assert info.value.request_id == request_id
+
+
+def test_registry_lists_cuda_ipc():
+    assert TRANSPORTS["cuda_ipc"] == (CudaIpcSender, CudaIpcReceiver)
+    with create_receiver(
+        TransferConfig(transport="cuda_ipc"), make_pool(torch.float32, 0), ADDRESS
+    ) as receiver:
+        assert isinstance(receiver, CudaIpcReceiver)
+        assert receiver.address.startswith("tcp://127.0.0.1:")
+        assert not receiver.address.endswith(":0")
+
+
+# -- export / open refusals (the reasons a sender falls back) -------------------------------------
+
+
+def test_a_cpu_pool_cannot_be_exported_or_open_a_remote_one():
+    with pytest.raises(IpcUnavailable, match="pool is on cpu"):
+        export_pool(make_pool(torch.float32, 0), "s")
+    with pytest.raises(IpcUnavailable, match="another host"):
+        open_pool(a_pool_export(host_id="elsewhere/boot"), make_pool(torch.bfloat16, 0))
+    with pytest.raises(IpcUnavailable, match="local pool is on cpu"):
+        open_pool(a_pool_export(), make_pool(torch.bfloat16, 0))
+
+
+def test_cpu_pools_fall_back_to_frames_with_one_warning_per_receiver(make_pair, caplog):
+    caplog.set_level(logging.WARNING, logger="kv_transfer.ipc_sender")
+    sender, receiver, src, dst = make_pair()
+    route = sender.route(receiver.address)
+    assert route == Route(
+        direct=False, reason="the receiver's pool is on cpu, not a GPU", device=""
+    )
+    for rid, (src_ids, dst_ids) in MAPPINGS.items():
+        receiver.expect(rid, dst_ids)
+        sender.begin(rid, receiver.address, src_ids, dst_ids)
+        send_all(sender, rid)
+    poll_until_terminal(receiver, set(MAPPINGS))
+    warnings = [r.getMessage() for r in caplog.records if receiver.address in r.getMessage()]
+    assert len(warnings) == 1 and "not CUDA IPC" in warnings[0] and "on cpu" in warnings[0]
+
+
+# -- the frames fallback behaves like the zmq transport ---------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_shuffled_layers_land_exactly_in_the_reserved_blocks(make_pair, dtype):
+    sender, receiver, src, dst = make_pair(dtype)
+    before = dst.clone()
+    for rid, (src_ids, dst_ids) in MAPPINGS.items():
+        receiver.expect(rid, dst_ids)
+        sender.begin(rid, receiver.address, src_ids, dst_ids)
+    sends = [(rid, layer) for rid in MAPPINGS for layer in range(NUM_LAYERS)]
+    random.Random(0).shuffle(sends)
+    for rid, layer in sends:
+        sender.send_layer(rid, layer)
+    for rid in MAPPINGS:
+        sender.complete(rid, {"first_token": ord(rid), "timing": {"prefill_compute": 0.25}})
+
+    done = poll_until_terminal(receiver, set(MAPPINGS))
+    for rid, (src_ids, dst_ids) in MAPPINGS.items():
+        assert done[rid].state is TransferState.DONE, done[rid].error
+        assert done[rid].metadata == {"first_token": ord(rid), "timing": {"prefill_compute": 0.25}}
+        assert done[rid].layers_done == NUM_LAYERS
+        assert torch.equal(blocks(dst, dst_ids), blocks(src, src_ids))
+    written = {b for _, dst_ids in MAPPINGS.values() for b in dst_ids}
+    untouched = [b for b in range(NUM_BLOCKS) if b not in written]
+    assert torch.equal(blocks(dst, untouched), blocks(before, untouched))
+    sent = poll_sender_until_terminal(sender, set(MAPPINGS))
+    assert {t.state for t in sent.values()} == {TransferState.DONE}
+    assert sender.poll() == []
+
+
+def test_sender_abort_fails_the_receiver_transfer_and_writes_nothing_after_it(make_pair):
+    sender, receiver, src, dst = make_pair()
+    before = dst.clone()
+    receiver.expect("r", [3, 4])
+    sender.begin("r", receiver.address, [0, 1], [3, 4])
+    sender.send_layer("r", 0)
+    sender.abort("r", "client disconnected")
+    sender.send_layer("r", 1)  # after abort: a no-op, not an error
+    sender.complete("r", {})
+
+    (failed,) = poll_until_terminal(receiver, {"r"}).values()
+    assert failed.state is TransferState.FAILED
+    assert failed.error == "aborted by sender: client disconnected"
+    assert torch.equal(dst[1:], before[1:])
+    (local,) = poll_sender_until_terminal(sender, {"r"}).values()
+    assert local.state is TransferState.FAILED and local.error == "client disconnected"
+    sender.abort("r", "again")  # forgotten request: still a no-op
+
+
+def test_receiver_deadline_waits_the_cancel_grace_when_no_sender_ever_spoke(make_pair):
+    _, receiver, _, _ = make_pair(deadline_s=0.2, grace_s=0.3)
+    t0 = time.monotonic()
+    receiver.expect("never", [1, 2])
+    (t,) = poll_until_terminal(receiver, {"never"}).values()
+    assert t.state is TransferState.FAILED and t.error == "deadline exceeded"
+    assert time.monotonic() - t0 >= 0.5  # deadline, then the grace a possible writer gets
+
+
+def test_sender_deadline_fails_both_sides(make_pair):
+    sender, receiver, _, _ = make_pair(deadline_s=0.3)
+    receiver.expect("slow", [1])
+    sender.begin("slow", receiver.address, [0], [1])
+    sender.send_layer("slow", 0)  # and never the rest
+    (local,) = poll_sender_until_terminal(sender, {"slow"}).values()
+    assert local.state is TransferState.FAILED and local.error == "deadline exceeded"
+    (remote,) = poll_until_terminal(receiver, {"slow"}).values()
+    assert remote.state is TransferState.FAILED
+
+
+def test_misuse_raises_and_bad_metadata_leaves_the_transfer_usable(make_pair):
+    sender, receiver, _, _ = make_pair()
+    receiver.expect("r", [1])
+    sender.begin("r", receiver.address, [0], [1])
+    sender.send_layer("r", 0)
+    with pytest.raises(ValueError, match=r"layers \[1, 2\] not sent"):
+        sender.complete("r", {})
+    with pytest.raises(ValueError, match="sent twice"):
+        sender.send_layer("r", 0)
+    with pytest.raises(ValueError, match="never begun"):
+        sender.send_layer("unknown", 0)
+    with pytest.raises(ValueError, match="2 source blocks, 1 destination"):
+        sender.begin("x", receiver.address, [0, 1], [2])
+    for layer in (1, 2):
+        sender.send_layer("r", layer)
+    with pytest.raises(ValueError, match="msgpack"):
+        sender.complete("r", {"timing": {1: 0.5}})
+    sender.complete("r", {"timing": {"prefill": 0.5}})
+    assert poll_until_terminal(receiver, {"r"})["r"].metadata == {"timing": {"prefill": 0.5}}
+
+
+@pytest.mark.parametrize("fail_rate, expected", [(1.0, TransferState.FAILED), (0.0, None)])
+def test_failure_injection_fails_every_transfer_on_both_sides_or_none(
+    make_pair, fail_rate, expected
+):
+    sender, receiver, _, _ = make_pair(fail_rate=fail_rate)
+    rids = {f"r{i}" for i in range(4)}
+    for i, rid in enumerate(sorted(rids)):
+        receiver.expect(rid, [i])
+        sender.begin(rid, receiver.address, [i], [i])
+        send_all(sender, rid)
+    remote = poll_until_terminal(receiver, rids)
+    local = poll_sender_until_terminal(sender, rids)
+    want = expected or TransferState.DONE
+    assert {t.state for t in [*remote.values(), *local.values()]} == {want}
+    if fail_rate:
+        assert {t.error for t in local.values()} == {"injected failure"}
+        assert {t.error for t in remote.values()} == {"aborted by sender: injected failure"}
+
+
+def test_unreachable_destination_fails_the_transfer_not_the_sender(make_pair):
+    sender, receiver, _, _ = make_pair()
+    sender.begin("lost", "not-an-endpoint", [0], [0])
+    send_all(sender, "lost")  # no-ops once the transfer failed
+    (t,) = sender.poll()
+    assert t.state is TransferState.FAILED and "cannot connect" in t.error
+    assert sender.route("not-an-endpoint") is None
+    receiver.expect("ok", [1])
+    sender.begin("ok", receiver.address, [1], [1])
+    send_all(sender, "ok")
+    assert poll_until_terminal(receiver, {"ok"})["ok"].state is TransferState.DONE
+
+
+def test_mismatched_pool_layout_fails_the_transfer():
+    config = TransferConfig(transport="cuda_ipc")
+    with CudaIpcReceiver(make_pool(torch.bfloat16, 1), config, ADDRESS) as receiver:
+        with CudaIpcSender(make_pool(torch.float32, 0), config) as sender:
+            handshake(sender, receiver)
+            receiver.expect("r", [2])
+            sender.begin("r", receiver.address, [1], [2])
+            send_all(sender, "r")
+            (t,) = poll_until_terminal(receiver, {"r"}).values()
+    assert t.state is TransferState.FAILED and "dtype torch.float32" in t.error
+
+
+# -- the cancel contract ------------------------------------------------------------------------
+
+
+def test_cancel_of_a_request_the_receiver_does_not_know_frees_the_blocks_at_once(make_pair):
+    _, receiver, _, _ = make_pair()
+    assert receiver.cancel("stranger") is True
+
+
+def test_cancel_before_any_sender_spoke_holds_the_blocks_until_the_grace_period_ends(make_pair):
+    _, receiver, _, _ = make_pair(grace_s=0.4)
+    receiver.expect("r", [3])
+    t0 = time.monotonic()
+    assert receiver.cancel("r") is False  # a sender may begin writing any moment
+    assert receiver.cancel("r") is False  # asking again changes nothing
+    with pytest.raises(ValueError, match="already active"):
+        receiver.expect("r", [3])  # still held
+    assert receiver.poll(timeout_s=0.1) == []
+    (t,) = poll_until_terminal(receiver, {"r"}).values()
+    assert t.state is TransferState.FAILED and t.error == CANCELLED
+    assert time.monotonic() - t0 >= 0.4
+
+
+def test_cancel_after_a_frames_mode_start_frees_the_blocks_at_once_and_stops_the_sender(
+    make_pair,
+):
+    sender, receiver, src, dst = make_pair(grace_s=30.0)
+    before = dst.clone()
+    gone = receiver.expect("gone", [3, 4])
+    sender.begin("gone", receiver.address, [0, 1], [3, 4])
+    until = time.monotonic() + MAX_WAIT_S
+    while gone.state is TransferState.PENDING:  # the "start" notice names the sender and mode
+        assert receiver.poll(timeout_s=0.02) == [] and time.monotonic() < until
+    assert receiver.cancel("gone") is True  # frames only reach the pool through the receiver
+    (local,) = poll_sender_until_terminal(sender, {"gone"}).values()
+    assert local.state is TransferState.FAILED and local.error == CANCELLED_BY_RECEIVER
+
+    receiver.expect("next", [8])
+    sender.begin("next", receiver.address, [5], [8])
+    send_all(sender, "next", {"n": 1})
+    done = poll_until_terminal(receiver, {"next"})
+    assert set(done) == {"next"}, "a cancel that returned True is never reported"
+    assert torch.equal(blocks(dst, [3, 4]), blocks(before, [3, 4]))
+    assert torch.equal(blocks(dst, [8]), blocks(src, [5]))
+
+
+def test_a_cancel_the_sender_hears_before_begin_fails_that_begin_and_ends_the_hold_early(
+    make_pair,
+):
+    sender, receiver, _, dst = make_pair(grace_s=30.0)
+    before = dst.clone()
+    receiver.expect("x", [2])
+    t0 = time.monotonic()
+    assert receiver.cancel("x") is False  # broadcast to every connected sender
+    time.sleep(0.2)
+    sender.poll()  # reads the cancel: remembers it, since it has not begun "x"
+    t = sender.begin("x", receiver.address, [0], [2])
+    assert t.state is TransferState.FAILED and t.error == CANCELLED_BY_RECEIVER
+    (remote,) = poll_until_terminal(receiver, {"x"}).values()
+    assert remote.state is TransferState.FAILED and remote.error == CANCELLED
+    assert time.monotonic() - t0 < 10, "ended by the sender's abort, not the 30 s grace"
+    assert torch.equal(dst, before)
+
+
+# -- hostile or broken messages ------------------------------------------------------------------
+
+
+def layer_header(rid: str, layer: int, block_ids: list[int], **overrides) -> bytes:
+    header = {
+        "kind": "layer",
+        "request_id": rid,
+        "layer": layer,
+        "block_ids": block_ids,
+        "dtype": "torch.float32",
+        "shape": [2, len(block_ids), BLOCK_SIZE, HEADS, HEAD_DIM],
+        **overrides,
+    }
+    return msgpack.packb(header)
+
+
+def payload(n_blocks: int, extra: int = 0) -> bytes:
+    return bytes(2 * n_blocks * BLOCK_SIZE * HEADS * HEAD_DIM * 4 + extra)
+
+
+def test_malformed_messages_fail_only_their_transfer_and_the_receiver_keeps_working(make_pair):
+    sender, receiver, src, dst = make_pair(grace_s=0.3)
+    before = dst.clone()
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.connect(receiver.address)
+    early_complete = {"kind": "complete", "request_id": "early-complete", "metadata": {}}
+    bad = {  # request -> (its reservation, a message that must fail it, the error it gets)
+        "garbage-header": (
+            [0],
+            [msgpack.packb({"request_id": "garbage-header", "kind": 3})],
+            "unknown header kind",
+        ),
+        "wrong-ids": ([1, 2], [layer_header("wrong-ids", 0, [1, 9]), payload(2)], "block ids"),
+        "wrong-size": ([3], [layer_header("wrong-size", 0, [3]), payload(1, 4)], "516 bytes"),
+        "wrong-dtype": (
+            [4],
+            [layer_header("wrong-dtype", 0, [4], dtype="int8"), payload(1)],
+            "dtype",
+        ),
+        "no-payload": ([5], [layer_header("no-payload", 0, [5])], "1 parts, not 2"),
+        "bad-layer": ([6], [layer_header("bad-layer", NUM_LAYERS, [6]), payload(1)], "outside"),
+        "early-complete": ([7], [msgpack.packb(early_complete)], "incomplete"),
+        "extra-part": ([8], [encode_message(Cancel("extra-part")), b"?"], "2 parts, not 1"),
+    }
+    for rid, (block_ids, _, _) in bad.items():
+        receiver.expect(rid, block_ids)
+    receiver.expect("bystander", [10])
+    receiver.expect("unannounced", [9])  # no "start" first: failed only after the grace
+    messages = [
+        [b"\xc1 not msgpack at all"],
+        [msgpack.packb(["a", "list"])],
+        [encode_message(Hello("h", 1)), b"extra part"],
+        [encode_message(a_pool_export())],  # receiver-bound only in the other direction
+        [encode_message(Reset("x"))],
+        [encode_message(Start("stranger", "", direct=False))],  # nobody expects it
+        [layer_header("stranger", 0, [11]), payload(1)],
+        *([encode_message(Start(rid, "", direct=False))] for rid in bad),
+        *(frames for _, frames, _ in bad.values()),
+        [msgpack.packb({"kind": "layer", "request_id": "unannounced", "layer": "0"})],
+    ]
+    for frames in messages:
+        raw.send_multipart(frames)
+    t0 = time.monotonic()
+    failed = poll_until_terminal(receiver, {*bad, "unannounced"})
+    for rid, (_, _, error) in bad.items():
+        assert failed[rid].state is TransferState.FAILED
+        assert error in failed[rid].error, (rid, failed[rid].error)
+    assert "malformed frame" in failed["unannounced"].error
+    assert time.monotonic() - t0 >= 0.3
+
+    receiver.expect("good", [11])
+    sender.begin("good", receiver.address, [2], [11])
+    send_all(sender, "good", {"ok": True})
+    done = poll_until_terminal(receiver, {"good"})
+    assert set(done) == {"good"}, "the bystander must stay pending"
+    assert done["good"].state is TransferState.DONE and done["good"].metadata == {"ok": True}
+    assert torch.equal(blocks(dst, [11]), blocks(src, [2]))
+    untouched = [b for b in range(NUM_BLOCKS) if b != 11]
+    assert torch.equal(blocks(dst, untouched), blocks(before, untouched))
+    raw.close(linger=0)
+    ctx.term()
+
+
+def test_a_direct_start_through_a_stale_export_fails_and_resets_the_sender(make_pair):
+    _, receiver, _, _ = make_pair()
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.connect(receiver.address)
+    raw.send(encode_message(Hello(host_id(), 1)))
+    reply = decode_message(recv_within(raw, receiver))
+    assert isinstance(reply, NoExport) and "cpu" in reply.reason
+    receiver.expect("r", [1])
+    raw.send(encode_message(Start("r", "an older session", direct=True)))
+    (t,) = poll_until_terminal(receiver, {"r"}).values()
+    assert t.state is TransferState.FAILED and "stale pool export" in t.error
+    assert isinstance(decode_message(recv_within(raw, receiver)), Reset)
+    raw.close(linger=0)
+    ctx.term()
+
+
+def recv_within(sock: zmq.Socket, receiver: CudaIpcReceiver) -> bytes:
+    until = time.monotonic() + MAX_WAIT_S
+    while not sock.poll(10):
+        receiver.poll()
+        assert time.monotonic() < until, "no reply"
+    return sock.recv()
+
+
+def test_the_sender_survives_garbage_obeys_cancel_and_handshakes_again_after_reset(monkeypatch):
+    ctx = zmq.Context()
+    fake = ctx.socket(zmq.ROUTER)  # plays the receiver by hand
+    port = fake.bind_to_random_port("tcp://127.0.0.1")
+    address = f"tcp://127.0.0.1:{port}"
+
+    def recv() -> tuple[bytes, Any]:
+        assert fake.poll(int(MAX_WAIT_S * 1000)), "the sender sent nothing"
+        identity, frame, *_ = fake.recv_multipart()
+        return identity, decode_message(frame)
+
+    with CudaIpcSender(make_pool(torch.float32, 0), TransferConfig("cuda_ipc")) as sender:
+        routes: list[Route | None] = []
+        connecting = threading.Thread(target=lambda: routes.append(sender.connect(address)))
+        connecting.start()
+        identity, hello = recv()
+        assert hello == Hello(host_id(), hello.pid)
+        for garbage in [b"\xc1", msgpack.packb([1]), msgpack.packb({"kind": "cancel"})]:
+            fake.send_multipart([identity, garbage])
+        fake.send_multipart([identity, encode_message(NoExport("s", "h", "no GPU here"))])
+        connecting.join()
+        assert routes == [Route(direct=False, reason="no GPU here", device="")]
+
+        sender.begin("r", address, [0], [0])
+        assert recv()[1] == Start("r", "", direct=False)
+        fake.send_multipart([identity, b"\xc1 more garbage"])
+        fake.send_multipart([identity, encode_message(Cancel("r"))])
+        (t,) = poll_sender_until_terminal(sender, {"r"}).values()
+        assert t.state is TransferState.FAILED and t.error == CANCELLED_BY_RECEIVER
+        assert recv()[1] == AbortHeader("r", CANCELLED_BY_RECEIVER)
+
+        fake.send_multipart([identity, encode_message(Reset("restarted"))])
+        until = time.monotonic() + MAX_WAIT_S
+        while sender.route(address) is not None:  # forgotten once the reset is read
+            assert sender.poll() == [] and time.monotonic() < until
+        monkeypatch.setattr(ipc_sender_module, "HANDSHAKE_TIMEOUT_S", 0.2)
+        sender.begin("r2", address, [0], [0])  # handshakes again; nobody answers this time
+        assert isinstance(recv()[1], Hello)
+        route = sender.route(address)
+        assert route is not None and not route.direct and "no answer" in route.reason
+    fake.close(linger=0)
+    ctx.term()
