@@ -90,6 +90,11 @@ def bench_decode(
     for b in batches:
         batch = fake_sequences(llm, b, context, f"dec{b}")
         step = cuda_time(lambda batch=batch: worker.runner.execute(batch), repeats)
+        replay = None
+        graphs = worker.runner.graphs
+        if graphs is not None and graphs.fits(b):
+            size = next(s for s in graphs.sizes if s >= b)
+            replay = cuda_time(graphs.graphs[size].replay, repeats)  # GPU time of the model step
         floor = (weight_bytes + b * context * kv_token) / ceil["copy_bytes_per_s"]
         eager = None
         if worker.runner.graphs is not None:
@@ -102,6 +107,7 @@ def bench_decode(
                 "batch": b,
                 "context": context,
                 "step_s": step,
+                "graph_replay_s": replay,
                 "eager_step_s": eager,
                 "hbm_floor_s": floor,
                 "ratio_to_floor": step / floor,
@@ -369,8 +375,9 @@ def main() -> None:
     )
     for r in result.get("decode", []):
         eager = f"{r['eager_step_s'] * 1e3:.2f}" if r["eager_step_s"] else "-"
+        replay = f"{r['graph_replay_s'] * 1e3:.2f}" if r["graph_replay_s"] else "-"
         print(
-            f"decode b={r['batch']:<4} step {r['step_s'] * 1e3:7.2f} ms  eager {eager} ms  floor {r['hbm_floor_s'] * 1e3:6.2f} ms  x{r['ratio_to_floor']:.2f}"
+            f"decode b={r['batch']:<4} step {r['step_s'] * 1e3:7.2f} ms  replay {replay} ms  eager {eager} ms  floor {r['hbm_floor_s'] * 1e3:6.2f} ms  x{r['ratio_to_floor']:.2f}"
         )
     for r in result.get("prefill", []):
         print(

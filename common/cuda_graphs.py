@@ -48,10 +48,18 @@ class DecodeGraphs:
         device = kv_cache.pool.device
         n = self.max_batch
         self.max_blocks = -(-max_model_len // kv_cache.block_size)
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), kv_cache.padding_slot, dtype=torch.int64, device=device)
+        # ids, positions, slots and context lengths live in one int64 buffer, filled by one copy.
+        self._vectors = torch.zeros(4, n, dtype=torch.int64, device=device)
+        self._vectors[2] = kv_cache.padding_slot
+        self._vectors[3] = 1
+        self.input_ids, self.positions, self.slot_mapping = (
+            self._vectors[0],
+            self._vectors[1],
+            self._vectors[2],
+        )
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self._stage = torch.zeros(4, n, dtype=torch.int64, pin_memory=True)
+        self._table_stage = torch.zeros(n, self.max_blocks, dtype=torch.int32, pin_memory=True)
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -70,8 +78,13 @@ class DecodeGraphs:
         )
 
     def _forward(self, bs: int) -> torch.Tensor:
+        self.seq_lens[:bs].copy_(self._vectors[3, :bs])  # int64 -> int32, captured with the step
         ctx = ForwardContext(
-            self.backend, self._metadata(bs), self.kv_cache.k_caches, self.kv_cache.v_caches, self.scale
+            self.backend,
+            self._metadata(bs),
+            self.kv_cache.k_caches,
+            self.kv_cache.v_caches,
+            self.scale,
         )
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], ctx)
         return self.model.compute_logits(hidden)
@@ -93,7 +106,12 @@ class DecodeGraphs:
             self.graphs[bs] = graph
         torch.cuda.synchronize()
         used = torch.cuda.memory_reserved() - before
-        log.info("captured %d decode graphs (batch sizes %s), %.1f MiB", len(self.sizes), self.sizes, used / 2**20)
+        log.info(
+            "captured %d decode graphs (batch sizes %s), %.1f MiB",
+            len(self.sizes),
+            self.sizes,
+            used / 2**20,
+        )
         return used
 
     def fits(self, num_seqs: int) -> bool:
@@ -112,18 +130,21 @@ class DecodeGraphs:
         n = len(input_ids)
         bs = next(s for s in self.sizes if s >= n)
         width = max(len(row) for row in block_tables)
-        host = torch.tensor([input_ids, positions, slots, seq_lens], dtype=torch.int64)
-        self.input_ids[:n].copy_(host[0], non_blocking=True)
-        self.positions[:n].copy_(host[1], non_blocking=True)
-        self.slot_mapping[:n].copy_(host[2], non_blocking=True)
-        self.seq_lens[:n].copy_(host[3], non_blocking=True)
-        table = torch.tensor([row + [0] * (width - len(row)) for row in block_tables], dtype=torch.int32)
-        self.block_tables[:n, :width].copy_(table, non_blocking=True)
+        # One pinned staging buffer, one copy: [ids, positions, slots, seq_lens] then the table.
+        stage = self._stage
+        stage[0, :n] = torch.tensor(input_ids)
+        stage[1, :n] = torch.tensor(positions)
+        stage[2, :n] = torch.tensor(slots)
+        stage[3, :n] = torch.tensor(seq_lens)
         if bs > n:  # padding rows (see module docstring)
-            self.input_ids[n:bs].zero_()
-            self.positions[n:bs].zero_()
-            self.slot_mapping[n:bs].fill_(self.kv_cache.padding_slot)
-            self.seq_lens[n:bs].fill_(1)
-            self.block_tables[n:bs, 0].zero_()
+            stage[0:2, n:bs] = 0
+            stage[2, n:bs] = self.kv_cache.padding_slot
+            stage[3, n:bs] = 1
+        table = self._table_stage[:bs, :width]
+        table[n:bs] = 0
+        for i, row in enumerate(block_tables):
+            table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        self._vectors[:, :bs].copy_(stage[:, :bs], non_blocking=True)
+        self.block_tables[:bs, :width].copy_(table, non_blocking=True)
         self.graphs[bs].replay()
         return self.logits[bs][:n]

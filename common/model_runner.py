@@ -35,7 +35,9 @@ class HostInputs:
 
     @property
     def is_decode_only(self) -> bool:
-        return all(n == 1 for n in self.query_lens) and len(self.sample_rows) == len(self.query_lens)
+        return all(n == 1 for n in self.query_lens) and len(self.sample_rows) == len(
+            self.query_lens
+        )
 
 
 class ModelRunner:
@@ -82,7 +84,9 @@ class ModelRunner:
         h = HostInputs([], [], [], [], [], [], [], [])
         for row, item in enumerate(batch.items):
             seq, start, n = item.seq, item.start, item.num_new_tokens
-            h.input_ids.extend(seq.all_token_ids[start : start + n] if n > 1 else [seq.token_at(start)])
+            h.input_ids.extend(
+                seq.all_token_ids[start : start + n] if n > 1 else [seq.token_at(start)]
+            )
             h.positions.extend(range(start, start + n))
             blocks = seq.block_ids
             h.slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -105,7 +109,9 @@ class ModelRunner:
         return AttentionMetadata(
             query_start_loc=self._tensor(cum, torch.int32),
             seq_lens=self._tensor(h.seq_lens, torch.int32),
-            block_tables=self._tensor([t + [0] * (width - len(t)) for t in h.block_tables], torch.int32),
+            block_tables=self._tensor(
+                [t + [0] * (width - len(t)) for t in h.block_tables], torch.int32
+            ),
             slot_mapping=self._tensor(h.slots, torch.int64),
             query_lens_cpu=h.query_lens,
             seq_lens_cpu=h.seq_lens,
@@ -128,7 +134,12 @@ class ModelRunner:
             logits = self.graphs.run(h.input_ids, h.positions, h.slots, h.seq_lens, h.block_tables)
         else:
             ctx = ForwardContext(
-                self.backend, self.metadata(h), self._k_caches, self._v_caches, self.scale, on_layer_done
+                self.backend,
+                self.metadata(h),
+                self._k_caches,
+                self._v_caches,
+                self.scale,
+                on_layer_done,
             )
             hidden = self.model(
                 self._tensor(h.input_ids, torch.int64), self._tensor(h.positions, torch.int64), ctx

@@ -67,6 +67,12 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
         params = inputs.params
+        if all(
+            p.greedy and p.logprobs is None and not p.uses_penalties and p.min_tokens == 0
+            for p in params
+        ):
+            _check_rows(logits, inputs)
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), None, None)  # plain greedy
         wants_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if wants_logprobs else None
 

@@ -105,7 +105,9 @@ def test_heartbeat_from_an_unlisted_node_is_ignored():
 
 def test_report_carries_role_age_and_load():
     registry = pd_registry()
-    registry.observe(heartbeat(D, "decode", free_blocks=42, running=3, pid=4321, device="cpu"), now=10.0)
+    registry.observe(
+        heartbeat(D, "decode", free_blocks=42, running=3, pid=4321, device="cpu"), now=10.0
+    )
     (entry,) = [n for n in registry.report(10.5) if n["id"] == D]
     assert entry == {
         "id": D,

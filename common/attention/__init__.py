@@ -13,7 +13,13 @@ def _torch() -> AttentionBackend:
     return TorchAttentionBackend()
 
 
-BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": _torch}
+def _triton() -> AttentionBackend:
+    from common.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend()
+
+
+BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": _torch, "triton": _triton}
 
 
 def create_backend(name: str) -> AttentionBackend:

@@ -40,7 +40,11 @@ class FlashAttnBackend:
         try:
             from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
-            self._varlen, self._with_kvcache, self._cute = flash_attn_varlen_func, flash_attn_with_kvcache, None
+            self._varlen, self._with_kvcache, self._cute = (
+                flash_attn_varlen_func,
+                flash_attn_with_kvcache,
+                None,
+            )
         except ImportError:
             from flash_attn.cute import flash_attn_varlen_func as cute_varlen
 

@@ -18,8 +18,12 @@ def choose_backend(name: str, device: torch.device, block_size: int) -> tuple[st
     if flash_attn_available() and block_size % REQUIRED_BLOCK_SIZE_MULTIPLE == 0:
         return "flash_attn", "flash_attn is installed and the page size suits it"
     if importlib.util.find_spec("triton") is not None:
-        why = "flash_attn not installed" if not flash_attn_available() else (
-            f"block size {block_size} is not a multiple of {REQUIRED_BLOCK_SIZE_MULTIPLE} for flash_attn"
+        why = (
+            "flash_attn not installed"
+            if not flash_attn_available()
+            else (
+                f"block size {block_size} is not a multiple of {REQUIRED_BLOCK_SIZE_MULTIPLE} for flash_attn"
+            )
         )
         return "triton", f"{why}; triton kernels"
     return "torch", "neither flash_attn nor triton importable"

@@ -13,7 +13,11 @@ from common.attention.base import AttentionMetadata
 
 
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
 ) -> None:
     """Scatter new k/v rows into the paged cache. Slots must be valid (padding rows use the
     pool's padding slot), which keeps this free of host syncs and safe to capture."""

@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from common import ops
 from common.model_spec import RopeSpec
 
 
@@ -22,21 +23,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return nn.functional.silu(gate) * up
+silu_and_mul = ops.silu_and_mul
 
 
 def rope_inv_freq(head_dim: int, rope: RopeSpec) -> torch.Tensor:
@@ -74,12 +65,5 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, d/2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+        """Returns the rotated (q, k); on CUDA they are rotated in place (`ops.apply_rotary`)."""
+        return ops.apply_rotary(q, k, positions, self.cos, self.sin)
