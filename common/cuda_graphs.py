@@ -60,6 +60,8 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self._stage = torch.zeros(4, n, dtype=torch.int64, pin_memory=True)
         self._table_stage = torch.zeros(n, self.max_blocks, dtype=torch.int32, pin_memory=True)
+        self._table_np = self._table_stage.numpy()  # same memory, cheap row writes
+        self._row_keys: list[object] = [None] * n
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -125,8 +127,13 @@ class DecodeGraphs:
         slots: list[int],
         seq_lens: list[int],
         block_tables: list[list[int]],
+        row_keys: list[object],
     ) -> torch.Tensor:
-        """Replay the graph of the smallest captured size >= len(input_ids); logits [n, vocab]."""
+        """Replay the graph of the smallest captured size >= len(input_ids); logits [n, vocab].
+
+        `row_keys[i]` must change whenever row i's block list changes other than by growing
+        (a different sequence, or the same one after preemption): equal key and length means
+        the staged row is still right and is not rewritten."""
         n = len(input_ids)
         bs = next(s for s in self.sizes if s >= n)
         width = max(len(row) for row in block_tables)
@@ -140,10 +147,18 @@ class DecodeGraphs:
             stage[0:2, n:bs] = 0
             stage[2, n:bs] = self.kv_cache.padding_slot
             stage[3, n:bs] = 1
-        table = self._table_stage[:bs, :width]
-        table[n:bs] = 0
+        table = self._table_np
         for i, row in enumerate(block_tables):
-            table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+            # A running sequence keeps its row and grows one block every block_size steps:
+            # rewrite a row only when its owner or length changed.
+            key = row_keys[i]
+            if self._row_keys[i] != key:
+                self._row_keys[i] = key
+                table[i, : len(row)] = row
+        if bs > n:
+            table[n:bs, 0] = 0
+            self._row_keys[n:bs] = [None] * (bs - n)
+        table = self._table_stage[:bs, :width]
         self._vectors[:, :bs].copy_(stage[:, :bs], non_blocking=True)
         self.block_tables[:bs, :width].copy_(table, non_blocking=True)
         self.graphs[bs].replay()

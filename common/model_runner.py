@@ -30,6 +30,7 @@ class HostInputs:
     query_lens: list[int]
     seq_lens: list[int]
     block_tables: list[list[int]]
+    row_keys: list[tuple[str, int, int]]  # identifies each row's block list (see DecodeGraphs.run)
     logits_indices: list[int]  # token index of each sampling row
     sample_rows: list[int]  # batch item index of each sampling row
 
@@ -81,7 +82,7 @@ class ModelRunner:
 
     def host_inputs(self, batch: ScheduledBatch) -> HostInputs:
         bs = self.block_size
-        h = HostInputs([], [], [], [], [], [], [], [])
+        h = HostInputs([], [], [], [], [], [], [], [], [])
         for row, item in enumerate(batch.items):
             seq, start, n = item.seq, item.start, item.num_new_tokens
             h.input_ids.extend(
@@ -93,6 +94,7 @@ class ModelRunner:
             h.query_lens.append(n)
             h.seq_lens.append(start + n)
             h.block_tables.append(blocks)
+            h.row_keys.append((seq.request_id, seq.num_preemptions, len(blocks)))
             if item.samples:
                 h.logits_indices.append(len(h.input_ids) - 1)
                 h.sample_rows.append(row)
@@ -131,7 +133,9 @@ class ModelRunner:
             and h.is_decode_only
             and self.graphs.fits(len(h.input_ids))
         ):
-            logits = self.graphs.run(h.input_ids, h.positions, h.slots, h.seq_lens, h.block_tables)
+            logits = self.graphs.run(
+                h.input_ids, h.positions, h.slots, h.seq_lens, h.block_tables, h.row_keys
+            )
         else:
             ctx = ForwardContext(
                 self.backend,
