@@ -20,8 +20,16 @@ import httpx
 
 
 async def one_request(
-    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    extra_body: dict | None = None,
 ) -> dict:
+    """One streamed completion. `ttft` is the arrival of the first chunk with choices, so a
+    model without a tokenizer (whose chunks carry no text) needs `{"logprobs": 0}` in
+    `extra_body` to get a chunk per token; otherwise its first chunk is the last one."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -30,6 +38,7 @@ async def one_request(
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra_body or {}),
     }
     start = time.perf_counter()
     arrivals, timing, usage = [], None, None
@@ -39,6 +48,8 @@ async def one_request(
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"server error: {chunk['error']}")
             if chunk.get("choices"):
                 arrivals.append(time.perf_counter())
             timing = chunk.get("timing") or timing

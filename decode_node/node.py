@@ -95,11 +95,16 @@ class DecodeNode:
 
     def step(self) -> None:
         busy = self.scheduler.has_work()
-        for message in self.channel.receive(timeout_s=0.0 if busy else 0.005):
+        # Idle, the wait goes to the socket that matters next: the KV receiver while transfers
+        # are in flight (their completion is on the path to the second token), else the inbox.
+        awaiting_kv = bool(self.reservations.reserved or self.quarantined)
+        inbox_wait = 0.0 if busy or awaiting_kv else 0.005
+        for message in self.channel.receive(timeout_s=inbox_wait):
             self.handle(message)
         if self.receiver is not None:
             self._reserve_blocks()
-            for transfer in self.receiver.poll(timeout_s=0.0 if busy else 0.005):
+            kv_wait = 0.001 if awaiting_kv and not busy else 0.0
+            for transfer in self.receiver.poll(timeout_s=kv_wait):
                 self._transfer_ended(transfer)
         if self.scheduler.has_work():
             self._decode_step()

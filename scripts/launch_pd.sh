@@ -79,14 +79,22 @@ trap 'stop_all; exit 143' TERM
 trap 'stop_all' EXIT
 
 start() {  # start NAME GPU CMD...
+  # Every process sees every GPU and is pinned with --device cuda:N, so that a prefill node
+  # can open a decode node's KV pool through CUDA IPC (hiding GPUs would force the fallback).
   local name=$1 gpu=$2; shift 2
-  if [ -n "$gpu" ]; then CUDA_VISIBLE_DEVICES=$gpu "$@" & else "$@" & fi
+  if [ -n "$gpu" ]; then "$@" --device "cuda:$gpu" & else "$@" & fi
   pids+=($!); names+=("$name")
 }
 
 events="tcp://127.0.0.1:$base"
 prefill_list="" decode_list=""
 device_flag=(); [ "$gpu_count" -gt 0 ] || device_flag=(--device cpu)
+if [ "$gpu_count" -eq 0 ] && [ -z "${OMP_NUM_THREADS:-}" ]; then
+  # CPU nodes share the cores: without this each process would start one torch thread per
+  # core and they would fight (measured: 3x slower prefill with two 2-thread nodes on 2 cores).
+  nodes=$((num_prefill + num_decode)); cores=$(nproc)
+  export OMP_NUM_THREADS=$(( cores / nodes > 0 ? cores / nodes : 1 ))
+fi
 for i in $(seq 0 $((num_prefill - 1))); do
   addr="tcp://127.0.0.1:$((base + 1 + i))"; prefill_list+="${prefill_list:+,}$addr"
   start "prefill-$i" "$(gpu_for "$prefill_gpus" "$i")" "$python" -m prefill_node --model "$model_dir" \
