@@ -26,11 +26,27 @@ import torch
 
 from kv_transfer.pool_io import upload_ids
 
+# Up to this many aligned contiguous runs, a layer goes as plain copies of block ranges
+# (2 per run: K and V), with no gather, staging or scatter: peer-to-peer at copy speed.
+MAX_DIRECT_RUNS = 8
+
 
 @dataclass(frozen=True)
 class BlockIndex:
     src: torch.Tensor  # long, on the local pool's device
     dst: torch.Tensor  # long, on the remote pool's device
+    runs: list[tuple[int, int, int]] | None  # (src start, dst start, length), or None: too many
+
+
+def aligned_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal stretches where both the source and the destination blocks are consecutive."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
 
 
 class DirectWriter:
@@ -49,14 +65,27 @@ class DirectWriter:
         return self.remote.shape[2]
 
     def index(self, src_ids: list[int], dst_ids: list[int]) -> BlockIndex:
+        runs = aligned_runs(src_ids, dst_ids)
         return BlockIndex(
             upload_ids(src_ids, self.local.device, self.side),
             upload_ids(dst_ids, self.remote.device, self.remote_stream),
+            runs if len(runs) <= MAX_DIRECT_RUNS else None,
         )
 
     def write_layer(self, layer: int, index: BlockIndex) -> torch.cuda.Event:
         """Queue the layer's copy; the event completes once its bytes are in the remote pool."""
         self.side.wait_stream(torch.cuda.current_stream(self.local.device))
+        if index.runs is not None:
+            # torch runs a cross-device copy on the source device's current stream (here the
+            # side stream) and synchronizes both devices' current streams around it, so an
+            # event on the side stream covers the bytes landing in the remote pool.
+            with torch.cuda.stream(self.side):
+                for src, dst, n in index.runs:
+                    for kv in (0, 1):
+                        self.remote[layer, kv, dst : dst + n].copy_(
+                            self.local[layer, kv, src : src + n], non_blocking=True
+                        )
+                return _recorded(self.side)
         with torch.cuda.stream(self.side):
             gathered = self.local[layer].index_select(1, index.src)
             if not self.peer:

@@ -588,3 +588,11 @@ def test_the_sender_survives_garbage_obeys_cancel_and_handshakes_again_after_res
         assert route is not None and not route.direct and "no answer" in route.reason
     fake.close(linger=0)
     ctx.term()
+
+
+def test_aligned_runs_split_where_either_side_stops_being_consecutive():
+    from kv_transfer.ipc_writer import aligned_runs
+
+    assert aligned_runs([1, 2, 3, 7, 8], [10, 11, 12, 13, 14]) == [(1, 10, 3), (7, 13, 2)]
+    assert aligned_runs([4, 5, 6], [9, 11, 12]) == [(4, 9, 1), (5, 11, 2)]
+    assert aligned_runs([5], [9]) == [(5, 9, 1)]
