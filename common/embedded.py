@@ -17,8 +17,8 @@ class EmbeddedModelMissing(RuntimeError):
     pass
 
 
-def embedded_gguf_path() -> Path:
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+def embedded_gguf_path(package: str = EMBEDDED_PACKAGE) -> Path:
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise EmbeddedModelMissing(
             f"the embedded default model ({EMBEDDED_MODEL_NAME}) is not installed; "

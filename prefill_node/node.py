@@ -160,6 +160,7 @@ class PrefillNode:
             def hook(layer: int) -> None:
                 for rid in shipping:
                     self.sender.send_layer(rid, layer)
+                self.channel.publish_load(self._load)  # live load during a long step
 
         try:
             sampled = self.worker.runner.execute(batch, on_layer_done=hook)

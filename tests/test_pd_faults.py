@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import httpx
 from openai import OpenAI
@@ -95,3 +96,64 @@ def test_colocated_mode_gives_the_same_greedy_text_as_the_engine(tmp_path, smoll
         assert "prefill_compute" in resp.model_extra["timing"]
     finally:
         assert stack.stop() == []
+
+
+def test_prefill_killed_mid_transfer_frees_the_reservation_and_the_other_prefill_serves(tmp_path):
+    # Two prefill nodes; a 4000-token prompt runs as two chunks, and its KV streams to the decode
+    # node layer by layer during the second one: kill the prefill node while it is transferring.
+    stack = PDStack(
+        "--num-prefill",
+        "2",
+        "--prefill-max-num-batched-tokens",
+        "2048",
+        "--router-heartbeat-timeout",
+        "2",
+        log_path=tmp_path / "launch.log",
+    )
+    try:
+        result: dict = {}
+
+        def long_request() -> None:
+            body = {
+                "model": MODEL,
+                "prompt": [100 + i % 5000 for i in range(4000)],
+                "max_tokens": 8,
+            }
+            r = httpx.post(stack.url + "/v1/completions", json=body, timeout=120)
+            result["status"], result["body"] = r.status_code, r.json()
+
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        busy = stack.wait_for(
+            lambda: next(
+                (
+                    n
+                    for n in stack.get("/health")[1]["nodes"]
+                    if n["role"] == "prefill" and n["load"].get("transferring", 0) > 0
+                ),
+                None,
+            ),
+            "a prefill node to be transferring",
+        )
+        os.kill(busy["pid"], signal.SIGKILL)
+        thread.join(timeout=120)
+        assert result["status"] >= 500 and result["body"]["error"]["message"]
+        stack.wait_for(
+            lambda: (d := stack.node("decode")["load"])["reserved"] == 0 and d["used_blocks"] == 0,
+            "the decode node to drop the dead prefill's reservation",
+        )
+        assert stack.get("/health")[0] == 200  # one prefill node and the decode node remain
+        r = httpx.post(
+            stack.url + "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": "The capital of France is",
+                "max_tokens": 4,
+                "temperature": 0,
+            },
+            timeout=60,
+        )
+        assert r.status_code == 200 and r.json()["choices"][0]["text"]
+    finally:
+        assert stack.stop() == []
+    assert not alive(busy["pid"])
