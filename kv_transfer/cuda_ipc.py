@@ -58,7 +58,7 @@ from kv_transfer.ipc_handles import (
 )
 from kv_transfer.ipc_sender import CudaIpcSender, Route
 from kv_transfer.ledger import DEADLINE_EXCEEDED, ReceiverLedger
-from kv_transfer.pool_io import from_bytes, payload_error, scatter_layer
+from kv_transfer.pool_io import write_layer_frame
 from kv_transfer.zmq_transport import MAX_MESSAGES_PER_POLL, RECV_HWM
 
 __all__ = ["CANCEL_GRACE_S", "CANCELLED", "CudaIpcReceiver", "CudaIpcSender", "Route"]
@@ -257,22 +257,7 @@ class CudaIpcReceiver(KVReceiver):
             self._ledger.started(request_id)
 
     def _write_layer(self, header: LayerHeader, buffer: memoryview) -> None:
-        """Frames mode: exactly the zmq receiver's checks and write."""
-        entry = self._ledger.accept_layer(header)
-        if entry is None:
-            return
-        error = payload_error(self._pool, header, buffer.nbytes)
-        if error is not None:
-            self._ledger.fail(header.request_id, error)
-            return
-        payload = from_bytes(buffer, self._pool.dtype, header.shape)
-        try:
-            scatter_layer(self._pool, header.layer, header.block_ids, payload)
-        except RuntimeError as exc:  # e.g. out of device memory for the staging copy
-            log.exception("writing KV of %s failed", header.request_id)
-            self._ledger.fail(header.request_id, f"write failed: {exc}")
-            return
-        self._ledger.layer_written(entry, header.layer)
+        write_layer_frame(self._pool, self._ledger, header, buffer)
 
     def _send(self, identity: bytes, message: Any) -> None:
         try:

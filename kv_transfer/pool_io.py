@@ -8,6 +8,7 @@ Device-agnostic: on CUDA the gather runs on the GPU and the host copy is asynchr
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from typing import Any
@@ -15,6 +16,9 @@ from typing import Any
 import torch
 
 from kv_transfer.frames import LayerHeader
+from kv_transfer.ledger import ReceiverLedger
+
+log = logging.getLogger(__name__)
 
 
 def layer_shape(pool: torch.Tensor, num_blocks: int) -> list[int]:
@@ -106,3 +110,25 @@ class HostStager:
     def synchronize(self) -> None:
         if self._stream is not None:
             self._stream.synchronize()
+
+
+def write_layer_frame(
+    pool: torch.Tensor, ledger: ReceiverLedger, header: LayerHeader, buffer: memoryview
+) -> None:
+    """A receiver's handling of one layer frame: check it against the reservation and the pool,
+    write it, and record it; any problem fails that transfer only (never raises)."""
+    entry = ledger.accept_layer(header)
+    if entry is None:
+        return
+    error = payload_error(pool, header, buffer.nbytes)
+    if error is not None:
+        ledger.fail(header.request_id, error)
+        return
+    payload = from_bytes(buffer, pool.dtype, header.shape)
+    try:
+        scatter_layer(pool, header.layer, header.block_ids, payload)
+    except RuntimeError as exc:  # e.g. out of device memory for the staging copy
+        log.exception("writing KV of %s failed", header.request_id)
+        ledger.fail(header.request_id, f"write failed: {exc}")
+        return
+    ledger.layer_written(entry, header.layer)

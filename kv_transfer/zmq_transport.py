@@ -41,7 +41,7 @@ from kv_transfer.ledger import (
     ReceiverLedger,
     SenderLedger,
 )
-from kv_transfer.pool_io import HostStager, as_bytes, from_bytes, payload_error, scatter_layer
+from kv_transfer.pool_io import HostStager, as_bytes, write_layer_frame
 
 log = logging.getLogger(__name__)
 
@@ -264,18 +264,4 @@ class ZmqReceiver(KVReceiver):
             self._ledger.abort(header.request_id, header.reason)
 
     def _write_layer(self, header: LayerHeader, buffer: memoryview) -> None:
-        entry = self._ledger.accept_layer(header)
-        if entry is None:
-            return
-        error = payload_error(self._pool, header, buffer.nbytes)
-        if error is not None:
-            self._ledger.fail(header.request_id, error)
-            return
-        payload = from_bytes(buffer, self._pool.dtype, header.shape)
-        try:
-            scatter_layer(self._pool, header.layer, header.block_ids, payload)
-        except RuntimeError as exc:  # e.g. out of device memory for the staging copy
-            log.exception("writing KV of %s failed", header.request_id)
-            self._ledger.fail(header.request_id, f"write failed: {exc}")
-            return
-        self._ledger.layer_written(entry, header.layer)
+        write_layer_frame(self._pool, self._ledger, header, buffer)
