@@ -39,31 +39,12 @@ class LLMEngine:
     def tokenizer(self):
         return self.worker.tokenizer
 
-    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        rt = self.runtime
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < rt.vocab_size]
-        if bad:
-            raise ValueError(f"token ids out of vocabulary [0, {rt.vocab_size}): {bad[:5]}")
-        if len(prompt_token_ids) >= rt.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_token_ids)} tokens; the context limit is {rt.max_model_len}"
-            )
-
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> Sequence:
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already running")
-        self.validate_prompt(prompt_token_ids, params)
-        seq = Sequence(
-            request_id,
-            list(prompt_token_ids),
-            params,
-            eos_token_ids=frozenset(self.runtime.eos_token_ids),
-            max_model_len=self.runtime.max_model_len,
-        )
+        seq = self.worker.new_sequence(request_id, prompt_token_ids, params)
         self.scheduler.add(seq)
         self.sequences[request_id] = seq
         return seq

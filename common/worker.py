@@ -120,6 +120,27 @@ class Worker:
         )
         log.info("worker ready: %s", self.runtime)
 
+    def new_sequence(self, request_id: str, prompt: list[int], params: SamplingParams) -> Sequence:
+        """A validated Sequence for this process: ValueError (with the offending values) for an
+        empty prompt, a token outside the vocabulary, or a prompt at or past the context limit."""
+        rt = self.runtime
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < rt.vocab_size]
+        if bad:
+            raise ValueError(f"token ids out of vocabulary [0, {rt.vocab_size}): {bad[:5]}")
+        if len(prompt) >= rt.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt)} tokens; the context limit is {rt.max_model_len}"
+            )
+        return Sequence(
+            request_id,
+            list(prompt),
+            params,
+            frozenset(rt.eos_token_ids),
+            max_model_len=rt.max_model_len,
+        )
+
     def _size_kv_cache(self, max_len: int) -> int:
         cc = self.config.cache
         if cc.num_kv_blocks is not None:

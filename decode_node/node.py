@@ -146,14 +146,7 @@ class DecodeNode:
         self.timings[rid] = DecodeTiming()
 
     def _new_sequence(self, rid: str, prompt: list[int], params: SamplingParams) -> Sequence:
-        rt = self.worker.runtime
-        if not prompt or len(prompt) >= rt.max_model_len:
-            raise ValueError(f"prompt length {len(prompt)} outside [1, {rt.max_model_len})")
-        if any(not 0 <= t < rt.vocab_size for t in prompt):
-            raise ValueError(f"token id outside [0, {rt.vocab_size})")
-        seq = Sequence(
-            rid, list(prompt), params, frozenset(rt.eos_token_ids), max_model_len=rt.max_model_len
-        )
+        seq = self.worker.new_sequence(rid, prompt, params)
         if self.scheduler.blocks_for(len(prompt) + 1) > self.worker.allocator.num_blocks:
             raise ValueError(f"prompt of {len(prompt)} tokens does not fit this node's KV pool")
         return seq

@@ -113,14 +113,7 @@ class PrefillNode:
         req = job.request
         try:
             params = SamplingParams(**req.sampling)
-            self.worker_validate(req.prompt_token_ids)
-            seq = Sequence(
-                req.request_id,
-                list(req.prompt_token_ids),
-                params,
-                eos_token_ids=frozenset(self.worker.runtime.eos_token_ids),
-                max_model_len=self.worker.runtime.max_model_len,
-            )
+            seq = self.worker.new_sequence(req.request_id, req.prompt_token_ids, params)
             needed = self.scheduler.blocks_for(len(req.prompt_token_ids))
             if needed != len(job.reserved_blocks):
                 raise ValueError(
@@ -131,13 +124,6 @@ class PrefillNode:
             self._fail(req.request_id, str(exc), 400)
             return
         job.seq = seq
-
-    def worker_validate(self, prompt: list[int]) -> None:
-        rt = self.worker.runtime
-        if not prompt or len(prompt) >= rt.max_model_len:
-            raise ValueError(f"prompt length {len(prompt)} outside [1, {rt.max_model_len})")
-        if any(not 0 <= t < rt.vocab_size for t in prompt):
-            raise ValueError(f"token id outside [0, {rt.vocab_size})")
 
     def _run_batch(self) -> None:
         batch = self.scheduler.schedule()
