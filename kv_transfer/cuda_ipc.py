@@ -116,13 +116,9 @@ class CudaIpcReceiver(KVReceiver):
         self._receive_available()
         self._expire()
         table = self._ledger.table
-        if timeout_s > 0 and not table.has_finished:
-            now = time.monotonic()
-            until = now + timeout_s
-            next_deadline = table.next_deadline()  # includes the end of each cancel's grace
-            if next_deadline is not None:
-                until = min(until, next_deadline)
-            if self._sock.poll(max(0, math.ceil((until - now) * 1000))):
+        wait = table.wait_time(timeout_s)  # bounded by deadlines (and cancel grace periods)
+        if wait is not None:
+            if self._sock.poll(math.ceil(wait * 1000)):
                 self._receive_available()
             self._expire()
         finished = table.drain()

@@ -77,6 +77,18 @@ class TransferTable(Generic[E]):
     def next_deadline(self) -> float | None:
         return min((e.transfer.deadline for e in self._active.values()), default=None)
 
+    def wait_time(self, timeout_s: float) -> float | None:
+        """How long a receiver's poll(timeout_s) may block for news: None when it must not wait
+        (no timeout, or results are already waiting), else up to the earliest deadline."""
+        if timeout_s <= 0 or self.has_finished:
+            return None
+        now = time.monotonic()
+        until = now + timeout_s
+        next_deadline = self.next_deadline()
+        if next_deadline is not None:
+            until = min(until, next_deadline)
+        return max(0.0, until - now)
+
 
 def _check_block_ids(what: str, block_ids: list[int], num_blocks: int | None) -> None:
     """Ints in [0, num_blocks) (only >= 0 when the pool is remote), no repeats."""

@@ -62,12 +62,9 @@ class LoopbackReceiver(KVReceiver):
         with self._cond:
             self._process_inbox()
             table = self._ledger.table
-            if timeout_s > 0 and not table.has_finished:
-                until = time.monotonic() + timeout_s
-                next_deadline = table.next_deadline()
-                if next_deadline is not None:
-                    until = min(until, next_deadline)
-                self._cond.wait(max(0.0, until - time.monotonic()))
+            wait = table.wait_time(timeout_s)
+            if wait is not None:
+                self._cond.wait(wait)
                 self._process_inbox()
             return table.drain()
 
