@@ -63,3 +63,17 @@ def test_flash_attn_matches_torch_reference_on_paged_cache(decode):
     ref = TorchAttentionBackend().forward(q, k, v, k_cache.clone(), v_cache.clone(), md, d**-0.5)
     out = FlashAttnBackend().forward(q, k, v, k_cache, v_cache, md, d**-0.5)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_every_backend_auto_can_choose_is_registered():
+    from common.attention import BACKENDS
+
+    assert {"torch", "triton", "flash_attn"} <= set(BACKENDS)
+
+
+@pytest.mark.skipif(flash_attn_available(), reason="flash_attn is installed here")
+def test_requesting_flash_attn_without_the_package_is_a_clear_error():
+    from common.attention.selection import choose_backend
+
+    with pytest.raises(ValueError, match="flash_attn package"):
+        choose_backend("flash_attn", torch.device("cpu"), 256)

@@ -19,12 +19,21 @@ def _triton() -> AttentionBackend:
     return TritonAttentionBackend()
 
 
-BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": _torch, "triton": _triton}
+def _flash_attn() -> AttentionBackend:
+    from common.attention.flash_attn_backend import FlashAttnBackend
+
+    return FlashAttnBackend()
+
+
+BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
+    "torch": _torch,
+    "triton": _triton,
+    "flash_attn": _flash_attn,
+}
 
 
 def create_backend(name: str) -> AttentionBackend:
-    if name == "auto":
-        name = "torch"
+    """A backend by its registered name (`auto` is resolved by `selection.choose_backend`)."""
     if name not in BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}; choose from auto, {', '.join(BACKENDS)}"

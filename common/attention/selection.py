@@ -6,11 +6,21 @@ import importlib.util
 
 import torch
 
-from common.attention.flash_attn_backend import REQUIRED_BLOCK_SIZE_MULTIPLE, flash_attn_available
+from common.attention.flash_attn_backend import (
+    REQUIRED_BLOCK_SIZE_MULTIPLE,
+    check_block_size,
+    flash_attn_available,
+)
 
 
 def choose_backend(name: str, device: torch.device, block_size: int) -> tuple[str, str]:
     """Return (backend name, reason). Explicit names are returned as given."""
+    if name == "flash_attn":
+        if not flash_attn_available():
+            raise ValueError(
+                "--attention-backend flash_attn needs the flash_attn package and a CUDA GPU"
+            )
+        check_block_size(block_size)
     if name != "auto":
         return name, "requested"
     if device.type != "cuda":
