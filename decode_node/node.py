@@ -71,7 +71,6 @@ class DecodeNode:
         role = "colocated" if self.colocated else "decode"
         self.channel = NodeChannel(node_config.control_address, node_config.router_address, role)
         self.info = runtime_info(self.worker.runtime, **extra)
-        self.sequences: dict[str, Sequence] = {}
         self.timings: dict[str, DecodeTiming] = {}
         self.quarantined: dict[str, PendingDecode] = {}  # aborted, blocks not yet safe to reuse
         self._stopping = False
@@ -137,7 +136,6 @@ class DecodeNode:
                 )
                 return
             self.scheduler.add(seq)
-            self.sequences[rid] = seq
         elif self.colocated:
             self.channel.to_router(RequestError(rid, "a colocated node takes no prefill node", 400))
             return
@@ -189,7 +187,6 @@ class DecodeNode:
         seq.num_computed_tokens = len(req.prompt_token_ids)
         self.worker.runner.resume_request(rid, seq.params.seed, 0 if seq.params.greedy else 1)
         self.scheduler.add_running(seq)
-        self.sequences[rid] = seq
 
     # -- decoding ---------------------------------------------------------------------------
     def _decode_step(self) -> None:
@@ -260,7 +257,6 @@ class DecodeNode:
         self._end(request_id)
 
     def _end(self, request_id: str) -> None:
-        self.sequences.pop(request_id, None)
         self.timings.pop(request_id, None)
         self.worker.runner.release(request_id)
 
