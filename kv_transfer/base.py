@@ -113,6 +113,12 @@ class KVSender(ABC):
         The layer's KV must be final when this is called. ValueError for an unknown request,
         a layer out of range or sent twice."""
 
+    def send_layers(self, request_id: str, layers: range) -> None:
+        """`send_layer` for each of `layers` (all final by now); a transport that can ship them
+        in one operation does (cuda_ipc: one copy kernel)."""
+        for layer in layers:
+            self.send_layer(request_id, layer)
+
     @abstractmethod
     def complete(self, request_id: str, metadata: dict[str, Any]) -> None:
         """After every layer: send the completion notice carrying msgpack-able `metadata`.

@@ -4,7 +4,8 @@ opening a decode node's KV pool.
 The decode node exports its pool once: `pool.untyped_storage()._share_cuda_()` gives the CUDA
 IPC handle of the allocation holding it (plus torch's IPC ref-counter and event handles); with
 dtype, shape, stride and storage offset, a sender rebuilds a tensor over the same memory with
-`torch.UntypedStorage._new_shared_cuda`. Device indices differ between processes
+`torch.UntypedStorage._new_shared_cuda`, opened in the sender GPU's context so that its
+kernels can store into it (open_pool). Device indices differ between processes
 (CUDA_VISIBLE_DEVICES), so the export names the GPU by UUID; it names the host (hostname + boot
 id) too, since a handle means nothing on another machine or after a reboot.
 
@@ -177,9 +178,23 @@ def forget_export(session: str) -> None:
     _IN_PROCESS.pop(session, None)
 
 
-def open_pool(export: PoolExport, local_pool: torch.Tensor) -> torch.Tensor:
-    """The receiver's pool as a tensor of this process, on the GPU that holds it (its index in
-    this process). Raises IpcUnavailable with the reason when the sender must send frames."""
+@dataclass(frozen=True)
+class OpenedPool:
+    """A receiver's pool as this process reaches it."""
+
+    tensor: torch.Tensor  # on the local pool's device (see open_pool), or the receiver's own
+    holder: torch.device  # the GPU whose memory holds the pool, as this process names it
+
+
+def open_pool(export: PoolExport, local_pool: torch.Tensor) -> OpenedPool:
+    """Open the receiver's pool for kernels of the local pool's GPU. Raises IpcUnavailable with
+    the reason when the sender must send frames.
+
+    The IPC handle is opened in the local GPU's context (cudaIpcOpenMemHandle with lazy peer
+    access), as peer-writing kernels need: memory opened in the holder GPU's context is not
+    mapped for kernels of another GPU, whatever peer access says. torch therefore labels the
+    tensor with the local device although its bytes live on `holder`; only the copy kernel
+    (common.kernels.block_copy) touches it, through NVLink or PCIe."""
     if export.host_id != host_id():
         raise IpcUnavailable(f"the receiver runs on another host ({export.host_id})")
     if local_pool.device.type != "cuda":
@@ -197,14 +212,15 @@ def open_pool(export: PoolExport, local_pool: torch.Tensor) -> torch.Tensor:
     here = local_pool.device.index
     if index != here and not torch.cuda.can_device_access_peer(here, index):
         raise IpcUnavailable(f"cuda:{here} has no peer access to the receiver's cuda:{index}")
+    holder = torch.device("cuda", index)
     if export.pid == os.getpid():
         pool = _IN_PROCESS.get(export.session)
         if pool is None:
             raise IpcUnavailable("the receiver of this process that exported the pool is gone")
-        return pool
+        return OpenedPool(pool, holder)  # allocated by this process: peer access maps it
     try:
         storage = torch.UntypedStorage._new_shared_cuda(
-            index,
+            here,  # the context that opens the handle: the local GPU's (docstring)
             export.storage_handle,
             export.storage_size_bytes,
             export.storage_offset_bytes,
@@ -215,7 +231,7 @@ def open_pool(export: PoolExport, local_pool: torch.Tensor) -> torch.Tensor:
         )
     except Exception as exc:  # torch surfaces CUDA IPC errors as RuntimeError, others as TypeError
         raise IpcUnavailable(f"cannot open the receiver's IPC handle: {exc}") from None
-    return _view(storage, export, local_pool, index)
+    return OpenedPool(_view(storage, export, local_pool, here), holder)
 
 
 def _view(

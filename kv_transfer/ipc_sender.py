@@ -40,7 +40,7 @@ from kv_transfer.ipc_handles import (
     host_id,
     open_pool,
 )
-from kv_transfer.ipc_writer import BlockIndex, DirectWriter
+from kv_transfer.ipc_writer import DirectWriter
 from kv_transfer.ledger import DEADLINE_EXCEEDED, INJECTED_FAILURE, Outgoing, SenderLedger
 from kv_transfer.pool_io import HostStager, as_bytes
 from kv_transfer.zmq_transport import MAX_MESSAGES_PER_POLL, SEND_HWM
@@ -74,7 +74,7 @@ class _Destination:
 class _DirectJob:
     address: str
     writer: DirectWriter
-    index: BlockIndex
+    pairs: torch.Tensor  # (source, destination) block pairs, on the local GPU
     last_write: torch.cuda.Event | None = None  # completes after every earlier write of the job
     completion: bytes | None = None  # the encoded "complete", sent once last_write completed
 
@@ -110,6 +110,12 @@ class CudaIpcSender(KVSender):
         dest = self._destinations.get(dest_address)
         return None if dest is None else dest.route
 
+    def writer(self, dest_address: str) -> DirectWriter | None:
+        """The direct data path to a receiver already contacted (None: frames, or no contact);
+        for benchmarks that time the copies alone."""
+        dest = self._destinations.get(dest_address)
+        return None if dest is None else dest.writer
+
     def begin(
         self,
         request_id: str,
@@ -135,8 +141,8 @@ class CudaIpcSender(KVSender):
             if outside:
                 self._fail(entry, f"destination blocks {outside[:8]} outside the receiver's pool")
                 return entry.transfer
-            index = writer.index(entry.transfer.block_ids, entry.dst_block_ids)
-            self._jobs[request_id] = _DirectJob(dest_address, writer, index)
+            pairs = writer.index(entry.transfer.block_ids, entry.dst_block_ids)
+            self._jobs[request_id] = _DirectJob(dest_address, writer, pairs)
         direct = writer is not None
         start = Start(request_id, dest.session if direct else "", direct=direct)
         if not self._send(dest_address, [encode_message(start)]):
@@ -144,30 +150,39 @@ class CudaIpcSender(KVSender):
         return entry.transfer
 
     def send_layer(self, request_id: str, layer: int) -> None:
+        self.send_layers(request_id, range(layer, layer + 1))
+
+    def send_layers(self, request_id: str, layers: range) -> None:
+        """Direct mode: one copy kernel for every layer of `layers` (a step-1 range)."""
         self._notices()
         entry = self._ledger.lookup(request_id)
         if entry is None:
             return
-        self._ledger.check_layer(entry, layer)
+        if layers.step != 1:
+            raise ValueError(f"{layers} is not a step-1 range")
+        for layer in layers:
+            self._ledger.check_layer(entry, layer)
         if entry.doomed:
             self._fail(entry, INJECTED_FAILURE)
             return
         job = self._jobs.get(request_id)
         if job is not None:
             try:
-                job.last_write = job.writer.write_layer(layer, job.index)
-            except RuntimeError as exc:  # e.g. out of memory for the staging buffer
+                job.last_write = job.writer.write_layers(layers, job.pairs)
+            except RuntimeError as exc:  # e.g. a kernel launch error
                 log.exception("CUDA IPC write of %s failed", request_id)
                 self._fail(entry, f"CUDA IPC write failed: {exc}")
                 return
         else:
-            payload, ready = self._stager.stage(self._pool, layer, entry.transfer.block_ids)
-            header = LayerHeader(
-                request_id, layer, entry.dst_block_ids, str(payload.dtype), list(payload.shape)
-            )
-            frames = [encode_header(header), as_bytes(payload)]
-            self._queue.append(_Queued(entry, frames, ready, completes=False))
-        self._ledger.layer_sent(entry, layer)
+            for layer in layers:
+                payload, ready = self._stager.stage(self._pool, layer, entry.transfer.block_ids)
+                header = LayerHeader(
+                    request_id, layer, entry.dst_block_ids, str(payload.dtype), list(payload.shape)
+                )
+                frames = [encode_header(header), as_bytes(payload)]
+                self._queue.append(_Queued(entry, frames, ready, completes=False))
+        for layer in layers:
+            self._ledger.layer_sent(entry, layer)
         self._progress()
 
     def complete(self, request_id: str, metadata: dict[str, Any]) -> None:
@@ -298,7 +313,7 @@ class CudaIpcSender(KVSender):
                 reason,
             )
         else:
-            dest.route = Route(direct=True, reason="", device=str(dest.writer.remote.device))
+            dest.route = Route(direct=True, reason="", device=str(dest.writer.holder))
             log.info("cuda_ipc: KV to %s is written straight into its pool", dest.address)
 
     def _await_export(self, dest: _Destination) -> PoolExport | NoExport | None:

@@ -49,6 +49,22 @@ def poll_until_terminal(receiver: KVReceiver, request_ids: set[str]) -> dict[str
     raise AssertionError(f"never terminal: {sorted(request_ids - seen.keys())}")
 
 
+def poll_both_until_terminal(
+    sender: KVSender, receiver: KVReceiver, request_ids: set[str]
+) -> tuple[dict[str, Transfer], dict[str, Transfer]]:
+    """(receiver's, sender's) ended transfers. The sender must be polled too while the GPU
+    works: a zmq sender pushes a staged layer only from a call made after its device-to-host
+    copy finished."""
+    done: dict[str, Transfer] = {}
+    sent: dict[str, Transfer] = {}
+    for _ in range(MAX_POLLS):
+        sent.update((t.request_id, t) for t in sender.poll())
+        done.update((t.request_id, t) for t in receiver.poll(timeout_s=0.05))
+        if request_ids <= done.keys() and request_ids <= sent.keys():
+            return done, sent
+    raise AssertionError(f"never terminal: {sorted(request_ids - (done.keys() & sent.keys()))}")
+
+
 def poll_sender_until_terminal(sender: KVSender, request_ids: set[str]) -> dict[str, Transfer]:
     seen: dict[str, Transfer] = {}
     for _ in range(MAX_POLLS):
@@ -126,6 +142,21 @@ def test_shuffled_layers_land_exactly_in_the_reserved_blocks(make_pair, dtype):
     sent = poll_sender_until_terminal(sender, set(MAPPINGS))
     assert {t.state for t in sent.values()} == {TransferState.DONE}
     assert sender.poll() == []  # reported once, then forgotten
+
+
+def test_send_layers_ships_a_range_and_refuses_a_layer_sent_twice(make_pair):
+    sender, receiver, src, dst = make_pair()
+    receiver.expect("r", [5, 9, 3])
+    sender.begin("r", receiver.address, [0, 1, 2], [5, 9, 3])
+    sender.send_layer("r", 1)
+    with pytest.raises(ValueError, match="sent twice"):
+        sender.send_layers("r", range(1, 2))
+    sender.send_layers("r", range(2, NUM_LAYERS))
+    sender.send_layers("r", range(0, 1))
+    sender.complete("r", {})
+    (t,) = poll_until_terminal(receiver, {"r"}).values()
+    assert t.state is TransferState.DONE
+    assert torch.equal(blocks(dst, [5, 9, 3]), blocks(src, [0, 1, 2]))
 
 
 def test_zmq_receiver_bound_to_port_zero_exposes_the_real_port():
@@ -388,8 +419,7 @@ def test_cuda_pools_transfer_exactly(transport):
                 for layer in reversed(range(NUM_LAYERS)):
                     sender.send_layer(rid, layer)
                 sender.complete(rid, {"rid": rid})
-            done = poll_until_terminal(receiver, set(MAPPINGS))
-            sent = poll_sender_until_terminal(sender, set(MAPPINGS))
+            done, sent = poll_both_until_terminal(sender, receiver, set(MAPPINGS))
     assert {t.state for t in [*done.values(), *sent.values()]} == {TransferState.DONE}
     for src_ids, dst_ids in MAPPINGS.values():
         assert torch.equal(blocks(dst, dst_ids), blocks(src, src_ids))
@@ -415,7 +445,7 @@ def test_cuda_send_layer_ships_what_the_current_stream_wrote_last(transport):
                 src[layer, :, 3].fill_(layer + 1)  # queued behind the matmuls
                 sender.send_layer("r", layer)
             sender.complete("r", {})
-            (t,) = poll_until_terminal(receiver, {"r"}).values()
+            (t,) = poll_both_until_terminal(sender, receiver, {"r"})[0].values()
     assert t.state is TransferState.DONE
     for layer in range(NUM_LAYERS):
         assert torch.all(dst[layer, :, 4] == layer + 1)

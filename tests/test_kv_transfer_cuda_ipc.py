@@ -270,6 +270,21 @@ def test_shuffled_layers_land_exactly_in_the_reserved_blocks(make_pair, dtype):
     assert sender.poll() == []
 
 
+def test_send_layers_checks_every_layer_before_sending_any(make_pair):
+    sender, receiver, src, dst = make_pair()
+    receiver.expect("r", [5, 9, 3])
+    sender.begin("r", receiver.address, [0, 1, 2], [5, 9, 3])
+    sender.send_layer("r", 1)
+    with pytest.raises(ValueError, match="sent twice"):
+        sender.send_layers("r", range(NUM_LAYERS))
+    sender.send_layers("r", range(0, 1))
+    sender.send_layers("r", range(2, NUM_LAYERS))
+    sender.complete("r", {})
+    (t,) = poll_until_terminal(receiver, {"r"}).values()
+    assert t.state is TransferState.DONE
+    assert torch.equal(blocks(dst, [5, 9, 3]), blocks(src, [0, 1, 2]))
+
+
 def test_sender_abort_fails_the_receiver_transfer_and_writes_nothing_after_it(make_pair):
     sender, receiver, src, dst = make_pair()
     before = dst.clone()
@@ -588,11 +603,3 @@ def test_the_sender_survives_garbage_obeys_cancel_and_handshakes_again_after_res
         assert route is not None and not route.direct and "no answer" in route.reason
     fake.close(linger=0)
     ctx.term()
-
-
-def test_aligned_runs_split_where_either_side_stops_being_consecutive():
-    from kv_transfer.ipc_writer import aligned_runs
-
-    assert aligned_runs([1, 2, 3, 7, 8], [10, 11, 12, 13, 14]) == [(1, 10, 3), (7, 13, 2)]
-    assert aligned_runs([4, 5, 6], [9, 11, 12]) == [(4, 9, 1), (5, 11, 2)]
-    assert aligned_runs([5], [9]) == [(5, 9, 1)]

@@ -164,10 +164,16 @@ def sender_pool(seed_or_zeros: int | None = 1) -> torch.Tensor:
     return make_pool(torch.bfloat16, seed=seed_or_zeros).to("cuda:0")
 
 
-def run_shuffled_transfers(sender: CudaIpcSender, address: str) -> None:
+def run_shuffled_transfers(sender: CudaIpcSender, address: str, bulk: bool = False) -> None:
+    """Layers one by one in shuffled order, or (bulk) the last one alone, then one
+    `send_layers` call for the others, as a prefill node ships a short step."""
     for rid, (src_ids, dst_ids) in MAPPINGS.items():
         sender.begin(rid, address, src_ids, dst_ids)
-    sends = [(rid, layer) for rid in MAPPINGS for layer in range(NUM_LAYERS)]
+    if bulk:
+        for rid in MAPPINGS:
+            sender.send_layer(rid, NUM_LAYERS - 1)
+            sender.send_layers(rid, range(NUM_LAYERS - 1))
+    sends = [] if bulk else [(rid, layer) for rid in MAPPINGS for layer in range(NUM_LAYERS)]
     random.Random(0).shuffle(sends)
     for rid, layer in sends:
         sender.send_layer(rid, layer)
@@ -201,8 +207,9 @@ def test_two_process_harness_on_cpu_takes_the_frames_fallback():
 
 
 @needs_gpu
+@pytest.mark.parametrize("bulk", [False, True])
 @pytest.mark.parametrize("device", [0, pytest.param(1, marks=needs_two_gpus)])
-def test_gpu_ipc_between_processes_writes_shuffled_layers_exactly(device):
+def test_gpu_ipc_between_processes_writes_shuffled_layers_exactly(device, bulk):
     """Receiver in its own process on cuda:`device`, sender here on cuda:0: same GPU (0) or
     peer to peer across GPUs (1). The sender must take the IPC path, not the fallback."""
     require_peer_access(device)
@@ -210,7 +217,7 @@ def test_gpu_ipc_between_processes_writes_shuffled_layers_exactly(device):
     with decode_process(cuda, MAPPINGS) as peer, CudaIpcSender(sender_pool(), GPU_CONFIG) as s:
         route = s.connect(peer.address)
         assert route == Route(direct=True, reason="", device=f"cuda:{device}"), route
-        run_shuffled_transfers(s, peer.address)
+        run_shuffled_transfers(s, peer.address, bulk)
         assert_landed(peer.get())
 
 
@@ -225,7 +232,8 @@ def test_gpu_send_layer_returns_at_once_and_ships_what_the_current_stream_wrote_
         src = sender_pool(None)
         with CudaIpcSender(src, GPU_CONFIG) as sender:
             # A first transfer of the same size fills the allocators' caches (side-stream blocks,
-            # staging, pinned index buffers), so the timed one allocates nothing new.
+            # pinned block-pair buffers) and compiles the copy kernel, so the timed one does
+            # neither.
             for layer in range(NUM_LAYERS):
                 src[layer, :, 5:7].fill_(layer + 1)
             sender.begin("warm", peer.address, *mapping["warm"])

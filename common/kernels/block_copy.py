@@ -1,0 +1,99 @@
+"""Copy whole KV blocks from one pool into another, possibly on another GPU.
+
+Pools are `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`, contiguous, of one
+dtype and one per-block shape; their block counts may differ. One program copies the K or the V
+plane of one block of one layer, so a set of layers moves in one launch and one pass over the
+bytes, with no gather buffer and no host work per block.
+
+The destination may be a pool of another GPU that this process reaches by peer access (a
+CUDA IPC-opened decode pool): the kernel runs on the source's GPU and stores through the peer
+mapping, over NVLink or PCIe. `enable_peer_access` must have been called for that pair first.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_CHUNK = 4096  # elements a program moves per load/store pair (8 KiB of bf16)
+
+
+@triton.jit(do_not_specialize=["src_blocks", "dst_blocks", "first_plane"])
+def _copy_blocks_kernel(
+    src_ptr, dst_ptr, pairs_ptr, src_blocks, dst_blocks, first_plane,
+    BLOCK_NUMEL: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Program (p, q): block pair p, plane q of the layer range (plane = layer * 2 + kv)."""
+    pair = tl.program_id(0)
+    plane = (first_plane + tl.program_id(1)).to(tl.int64)
+    src_block = tl.load(pairs_ptr + 2 * pair).to(tl.int64)
+    dst_block = tl.load(pairs_ptr + 2 * pair + 1).to(tl.int64)
+    src = src_ptr + (plane * src_blocks + src_block) * BLOCK_NUMEL
+    dst = dst_ptr + (plane * dst_blocks + dst_block) * BLOCK_NUMEL
+    for start in range(0, BLOCK_NUMEL, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        mask = offs < BLOCK_NUMEL
+        values = tl.load(src + offs, mask=mask, eviction_policy="evict_first")
+        tl.store(dst + offs, values, mask=mask)
+
+
+def block_pairs(src_ids: list[int], dst_ids: list[int]) -> torch.Tensor:
+    """`[n, 2]` int32 (source block, destination block) rows, on the host."""
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
+    return torch.tensor(list(zip(src_ids, dst_ids, strict=True)), dtype=torch.int32).view(-1, 2)
+
+
+class BlockCopier:
+    """Copies blocks from `src` into `dst`; the pools are checked once, here, so that a call
+    costs little more than the launch (one per layer during a prefill)."""
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if src.dtype != dst.dtype or src.shape[:2] + src.shape[3:] != dst.shape[:2] + dst.shape[3:]:
+            raise ValueError(
+                f"pool layouts differ: {src.dtype} {list(src.shape)} vs {dst.dtype} {list(dst.shape)}"
+            )
+        if not (src.is_contiguous() and dst.is_contiguous()):
+            raise ValueError("both pools must be contiguous")
+        self.src, self.dst = src, dst
+        self.num_layers = src.shape[0]
+        self.block_numel = math.prod(src.shape[3:])
+        self.chunk = min(triton.next_power_of_2(self.block_numel), MAX_CHUNK)
+        self.num_warps = 4 if self.chunk <= 2048 else 8
+        self.device = torch.cuda.device(src.device) if src.is_cuda else nullcontext()
+
+    def __call__(self, pairs: torch.Tensor, layers: range) -> None:
+        """`dst[l, :, d] = src[l, :, s]` for every `(s, d)` row of `pairs` and every `l` in
+        `layers` (a step-1 range), queued on the current stream of src's device. `pairs` (from
+        `block_pairs`, contiguous) lives on src's device; ids are not bound-checked here."""
+        if pairs.dtype != torch.int32 or pairs.dim() != 2 or pairs.shape[1] != 2:
+            raise ValueError(f"pairs must be [n, 2] int32, not {pairs.dtype} {list(pairs.shape)}")
+        if layers.step != 1 or layers.start < 0 or layers.stop > self.num_layers:
+            raise ValueError(
+                f"{layers} is not a step-1 range of the pool's {self.num_layers} layers"
+            )
+        if not len(layers) or not pairs.shape[0]:
+            return
+        with self.device:
+            _copy_blocks_kernel[(pairs.shape[0], 2 * len(layers))](
+                self.src, self.dst, pairs, self.src.shape[2], self.dst.shape[2], 2 * layers.start,
+                BLOCK_NUMEL=self.block_numel, CHUNK=self.chunk, num_warps=self.num_warps,
+            )  # fmt: skip
+
+
+def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor, layers: range) -> None:
+    """One-off `BlockCopier(src, dst)(pairs, layers)`."""
+    BlockCopier(src, dst)(pairs, layers)
+
+
+def enable_peer_access(device: torch.device, peer: torch.device) -> None:
+    """Let kernels on `device` read and write memory of `peer` (CUDA IPC-opened memory too).
+    torch enables it, from the source's GPU to the destination's, on its first copy between
+    them; one element's copy does that and costs nothing afterwards."""
+    if device != peer:
+        torch.empty(1, device=peer).copy_(torch.empty(1, device=device))
+        torch.cuda.synchronize(device)
