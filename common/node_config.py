@@ -28,6 +28,14 @@ class NodeConfig:
             "help": "KV transport: zmq (any host), cuda_ipc (same host, falls back to zmq framing)"
         },
     )
+    ipc_stream_min_tokens: int = field(
+        default=1024,
+        metadata={
+            "help": "cuda_ipc: a prefill step of fewer tokens ships each finished prompt's KV in "
+            "one copy right after its first token instead of layer by layer (its compute is too "
+            "short to hide per-layer sends); 0: always layer by layer"
+        },
+    )
     transfer_deadline_s: float = field(
         default=30.0, metadata={"help": "a KV transfer not done by then fails its request"}
     )
@@ -52,5 +60,6 @@ def parse_node_args(
 
 def setup_logging(name: str) -> None:
     logging.basicConfig(
-        level=envs.log_level(), format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s"
+        level=envs.log_level(),
+        format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(name)s: %(message)s",
     )

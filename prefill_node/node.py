@@ -27,6 +27,8 @@ from kv_transfer import TransferConfig, TransferState, create_sender
 log = logging.getLogger(__name__)
 
 ENDED_MEMORY = 10_000
+IDLE_WAIT_S = 0.01  # inbox wait of an idle loop
+TRANSFER_WAIT_S = 0.001  # ... of a loop with nothing to compute but transfers in flight
 
 
 @dataclass
@@ -62,6 +64,10 @@ class PrefillNode:
         self.jobs: dict[str, PrefillJob] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()  # recently ended ids (bounded)
         self.info = runtime_info(self.worker.runtime)
+        self.num_layers = self.worker.kv_cache.pool.shape[0]
+        self._stream_min_tokens = (
+            node_config.ipc_stream_min_tokens if node_config.transport == "cuda_ipc" else 0
+        )
         self._stopping = False
 
     # -- loop -------------------------------------------------------------------------------
@@ -81,8 +87,15 @@ class PrefillNode:
         self._stopping = True
 
     def step(self) -> None:
-        idle = not self.scheduler.has_work()
-        for message in self.channel.receive(timeout_s=0.01 if idle else 0.0):
+        # Idle, the inbox wait is short while transfers are in flight: a sender moves them on
+        # (queued frames, completion notices) only when called, and their completion is on
+        # the path to the decode node's next token.
+        wait = IDLE_WAIT_S
+        if self.scheduler.has_work():
+            wait = 0.0
+        elif any(job.transferring for job in self.jobs.values()):
+            wait = TRANSFER_WAIT_S
+        for message in self.channel.receive(timeout_s=wait):
             self.handle(message)
         if self.scheduler.has_work():
             self._run_batch()
@@ -136,8 +149,12 @@ class PrefillNode:
                 job.scheduled_at = now
         # Prompts that end in this step ship their KV layer by layer while later layers are
         # still computing: every earlier chunk is already in the cache, and the hook runs
-        # once this step's layer is written.
+        # once this step's layer is written. A short step (cuda_ipc) ships after its first
+        # token instead, in one copy (_first_token_ready): per-layer sends cost host time
+        # that its short compute cannot hide.
         shipping = [item.seq.request_id for item in batch.items if item.samples]
+        if batch.num_tokens < self._stream_min_tokens:
+            shipping = []
         for rid in shipping:
             self._begin_transfer(self.jobs[rid])
         hook = None
@@ -205,6 +222,9 @@ class PrefillNode:
             "first_token_at": job.first_token_at,
             "host_id": HOST_ID,
         }
+        if not job.transferring:  # a short step: the whole KV in one go, the token is out
+            self._begin_transfer(job)
+            self.sender.send_layers(seq.request_id, range(self.num_layers))
         self.sender.complete(seq.request_id, metadata)
 
     def _reap_transfers(self) -> None:

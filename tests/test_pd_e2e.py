@@ -196,3 +196,28 @@ def test_models_and_health_endpoints(stack):
 def test_metrics_endpoint_counts_requests(stack):
     text = httpx.get(stack.url + "/metrics", timeout=10).text
     assert "pdserve_router_" in text
+
+
+@pytest.mark.parametrize(
+    "stream_min_tokens", [0, 1024], ids=["layer-by-layer", "short-steps-in-one-send"]
+)
+def test_cuda_ipc_transport_on_cpu_falls_back_and_matches_the_engine_both_ways_of_shipping(
+    tmp_path, smollm_llm, stream_min_tokens
+):
+    """On CPU the cuda_ipc sender falls back to frames (one warning). Its prompts (< 1024
+    tokens) ship either per layer during the forward (min 0) or in one `send_layers` call after
+    the first token (the default 1024): the text must equal the in-process engine's both ways."""
+    log_path = tmp_path / "launch.log"
+    s = PDStack(
+        "--transport", "cuda_ipc", "--prefill-ipc-stream-min-tokens", str(stream_min_tokens),
+        log_path=log_path,
+    )  # fmt: skip
+    try:
+        client = OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": "Name three primary colors."}]
+        ids = apply_chat_template(smollm_llm.tokenizer, messages)
+        local = smollm_llm.generate(ids, SamplingParams(temperature=0, max_tokens=24))[0]
+        assert greedy_chat(client, messages, max_tokens=24).choices[0].message.content == local.text
+    finally:
+        assert s.stop() == [], "processes left after Ctrl-C"
+    assert "goes as frames through host memory" in log_path.read_text()
