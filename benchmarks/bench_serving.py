@@ -72,6 +72,7 @@ async def run_level(
     prompt_tokens: int,
     max_tokens: int,
     seed: int,
+    extra_body: dict | None = None,
 ) -> dict:
     rng = random.Random(seed + concurrency)
     async with httpx.AsyncClient(timeout=600) as client:
@@ -80,10 +81,10 @@ async def run_level(
             out = []
             for _ in range(per_client):
                 prompt = [rng.randrange(100, 30000) for _ in range(prompt_tokens)]
-                out.append(await one_request(client, url, model, prompt, max_tokens))
+                out.append(await one_request(client, url, model, prompt, max_tokens, extra_body))
             return out
 
-        await one_request(client, url, model, [100] * prompt_tokens, 4)  # warm-up
+        await one_request(client, url, model, [100] * prompt_tokens, 4, extra_body)  # warm-up
         start = time.perf_counter()
         results = [
             r for rs in await asyncio.gather(*(worker(c) for c in range(concurrency))) for r in rs

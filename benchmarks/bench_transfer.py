@@ -7,13 +7,21 @@ the raw peer-to-peer copy between the two GPUs and a raw ZMQ loopback stream, in
     python benchmarks/bench_transfer.py --replot benchmarks/results/transfer/transfer.json
 
 Medians of --repeats, after one untimed warm-up per size; GB/s = payload bytes / time, 1e9 B.
-  transport  begin(), send_layer() per layer, complete(), then poll() until the sender says DONE
+  transport  begin(), send_layer() per layer (cuda_ipc bulk: one send_layers() for all layers, as
+             for a short prefill step), complete(), then poll() until the sender says DONE
              ("send"). The receiver runs in a spawned process owning a pool on cuda:1 (cuda:0
              with --same-gpu) and reports the moment it turned the transfer DONE ("recv"; one
              host, one CLOCK_MONOTONIC). cuda_ipc direct: both mean the bytes are in the remote
              pool. zmq: sender DONE = the completion notice was handed to zmq; only "recv" says
              the bytes reached the receiver's pool.
-  p2p        dst.copy_(src), cuda:0 -> cuda:1 (-> cuda:0 with --same-gpu), CUDA events.
+  cuda_ipc data path
+             the transport's copy kernel alone (DirectWriter.write_layers over the opened remote
+             pool), timed like p2p with CUDA events: "all layers" is one launch for the whole
+             payload, "per layer" one launch per layer as during a prefill. Excludes the host
+             protocol (begin, notices, polling) that the transport rows include, and Python's
+             launch time: the GPU sleeps until every launch is queued (it fails if it did not).
+  p2p        dst.copy_(src), cuda:0 -> cuda:1 (-> cuda:0 with --same-gpu), CUDA events, after
+             the same sleep.
   raw zmq    PUSH/PULL over tcp://127.0.0.1 into the same kind of process, from pinned host
              memory, one zero-copy frame per layer (the transport's framing); "send": zmq
              released the last frame, "recv": the receiver has the last byte.
@@ -25,8 +33,10 @@ over both pools. The receiver zeroes its blocks before each transfer and checksu
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import multiprocessing
+import pstats
 import queue
 import random
 import statistics
@@ -48,6 +58,7 @@ from kv_transfer import TransferConfig, TransferState, create_receiver, create_s
 from kv_transfer.cuda_ipc import CudaIpcSender  # noqa: E402
 
 DEADLINE_S = 120.0
+HOLD_CYCLES = 50_000_000  # a GPU sleep of ~25 ms at ~2 GHz, while the host queues timed work
 PEER_TIMEOUT_S = 180.0  # a spawned peer's start (CUDA init) or one transfer, at most
 
 
@@ -120,6 +131,10 @@ def _serve_transport(kind: str, device: torch.device, shape, inbox, outbox) -> N
                 continue
             if command["op"] == "exit":
                 return
+            if command["op"] == "checksum":
+                _synchronize(device)
+                outbox.put({"checksum": checksum(pool, command["block_ids"])})
+                continue
             ids = command["block_ids"]
             pool[:, :, ids] = 0
             _synchronize(device)  # a cuda_ipc sender writes from another process: no ordering
@@ -244,6 +259,7 @@ def measure_p2p(sizes: list[Size], src: torch.device, dst: torch.device, repeats
             torch.cuda.synchronize(dst)
             with torch.cuda.device(src):  # the copy runs on the source's current stream
                 start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                torch.cuda._sleep(HOLD_CYCLES)  # as for the data path (measure_data_path)
                 start.record()
                 b[: size.nbytes].copy_(a[: size.nbytes])
                 end.record()
@@ -291,8 +307,10 @@ def measure_raw_zmq(sizes: list[Size], layout: Layout, repeats: int, pinned: boo
 
 
 def measure_transport(
-    kind: str, sizes: list[Size], src_pool: torch.Tensor, dst: torch.device, args
+    kind: str, sizes: list[Size], src_pool: torch.Tensor, dst: torch.device, args, bulk=False
 ) -> tuple[list, dict[str, Any]]:
+    """begin, the layers (one send_layer each, or with `bulk` one send_layers call, as a
+    prefill node ships a short step), complete; until the sender and the receiver say DONE."""
     free_blocks = src_pool.shape[2] - 1  # the last block stands for the padding block
     rng = random.Random(args.seed)
     with Peer(kind, dst, tuple(src_pool.shape)) as peer:
@@ -310,7 +328,9 @@ def measure_transport(
                 peer.get()
                 t0 = time.monotonic()
                 sender.begin(rid, peer.address, src_ids, dst_ids)
-                for layer in range(src_pool.shape[0]):
+                if bulk:
+                    sender.send_layers(rid, range(src_pool.shape[0]))
+                for layer in [] if bulk else range(src_pool.shape[0]):
                     sender.send_layer(rid, layer)
                 sender.complete(rid, {"rep": rep})
                 sent = _sender_done(sender, rid) - t0
@@ -328,9 +348,71 @@ def measure_transport(
                 route = asdict(found) if found else {"direct": False, "reason": "unreachable"}
                 if not route["direct"]:
                     print(f"WARNING: cuda_ipc falls back to frames: {route['reason']}", flush=True)
-            return _measure(kind, sizes, args.repeats, per_size), route
+            return _measure(kind + " bulk" * bulk, sizes, args.repeats, per_size), route
         finally:
             sender.close()  # drops the opened remote pool before its owner exits
+
+
+def measure_data_path(
+    sizes: list[Size], src_pool: torch.Tensor, dst: torch.device, args
+) -> dict[str, list]:
+    """The cuda_ipc copy kernel alone, CUDA events around it, the receiver checksumming."""
+    free_blocks = src_pool.shape[2] - 1
+    rng = random.Random(args.seed)
+    layers = src_pool.shape[0]
+    with Peer("cuda_ipc", dst, tuple(src_pool.shape)) as peer:
+        sender = create_sender(
+            TransferConfig(transport="cuda_ipc", deadline_s=DEADLINE_S), src_pool
+        )
+        try:
+            sender.connect(peer.address)
+            writer = sender.writer(peer.address)
+            if writer is None:
+                print("WARNING: no direct CUDA IPC path; data path not measured", flush=True)
+                return {}
+
+            def per_size(size: Size, per_layer: bool) -> Callable[[int], Sample]:
+                src_ids = rng.sample(range(free_blocks), size.blocks)
+                dst_ids = rng.sample(range(free_blocks), size.blocks)
+                want = checksum(src_pool, src_ids)
+                pairs = writer.index(src_ids, dst_ids)
+                chunks = [range(i, i + 1) for i in range(layers)] if per_layer else [range(layers)]
+
+                def once(rep: int) -> Sample:
+                    torch.cuda.synchronize(src_pool.device)
+                    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                    # The GPU sleeps while the host queues every launch, so the events time
+                    # the copies, not Python's launch overhead (which overlaps compute during
+                    # a prefill); checked below: the sleep must outlast the queuing.
+                    torch.cuda._sleep(HOLD_CYCLES)
+                    start.record()
+                    for chunk in chunks:
+                        last = writer.write_layers(chunk, pairs)
+                    torch.cuda.current_stream().wait_event(last)
+                    end.record()
+                    if rep and start.query():  # (the warm-up compiles the kernel meanwhile)
+                        raise RuntimeError(
+                            "the launches outlasted the GPU sleep: raise HOLD_CYCLES"
+                        )
+                    end.synchronize()
+                    ok = True
+                    if rep in (0, args.repeats):  # the warm-up and the last timed one
+                        peer.send({"op": "checksum", "block_ids": dst_ids})
+                        ok = peer.get()["checksum"] == want
+                    return Sample(send=start.elapsed_time(end) / 1e3, ok=ok)
+
+                return once
+
+            return {
+                "ipc_data_all": _measure(
+                    "ipc all", sizes, args.repeats, lambda size: per_size(size, False)
+                ),
+                "ipc_data_layer": _measure(
+                    "ipc layer", sizes, args.repeats, lambda size: per_size(size, True)
+                ),
+            }
+        finally:
+            sender.close()
 
 
 def _sender_done(sender, request_id: str) -> float:
@@ -359,8 +441,11 @@ def _progress(name: str, row: dict[str, Any]) -> None:
 SERIES = [  # (result key, side, label, style)
     ("p2p", "send", "raw copy_ (CUDA events)", "k-o"),
     ("raw_zmq", "recv", "raw ZMQ PUSH/PULL, recv", "C2--s"),
+    ("ipc_data_all", "send", "cuda_ipc copy kernel, all layers (CUDA events)", "C3-o"),
+    ("ipc_data_layer", "send", "cuda_ipc copy kernel, per layer (CUDA events)", "C3:o"),
     ("cuda_ipc", "send", "cuda_ipc, sender DONE", "C0-^"),
     ("cuda_ipc", "recv", "cuda_ipc, receiver DONE", "C0--v"),
+    ("cuda_ipc_bulk", "recv", "cuda_ipc, one send_layers, receiver DONE", "C4--v"),
     ("zmq", "send", "zmq, sender DONE", "C1-^"),
     ("zmq", "recv", "zmq, receiver DONE", "C1--v"),
 ]
@@ -372,8 +457,19 @@ def print_table(result: dict[str, Any]) -> None:
     head = " ".join(f"{k + ' ' + side:>15}" for k, side in cols)
     p2p = f"; p2p = {result['p2p_label']}" if "p2p" in runs else ""
     print(f"\nGB/s (1e9 B/s), median of {result['args']['repeats']}{p2p}")
-    ratio = "p2p" in runs and "cuda_ipc" in runs
-    print(f"{'MiB':>7} {'blocks':>6} {'bytes':>11} {head}" + ("  ipc/p2p" if ratio else ""))
+    # Shares of the raw peer copy: (label, run, side), where both were measured.
+    ratios = [
+        (label, key, side)
+        for label, key, side in (
+            ("kernel/p2p", "ipc_data_all", "send"),
+            ("layers/p2p", "ipc_data_layer", "send"),
+            ("ipc/p2p", "cuda_ipc", "recv"),
+            ("bulk/p2p", "cuda_ipc_bulk", "recv"),
+        )
+        if "p2p" in runs and key in runs
+    ]
+    tail = "".join(f" {label:>10}" for label, _, _ in ratios)
+    print(f"{'MiB':>7} {'blocks':>6} {'bytes':>11} {head}{tail}")
     for i, size in enumerate(result["sizes"]):
         cells = []
         for k, side in cols:
@@ -381,8 +477,8 @@ def print_table(result: dict[str, Any]) -> None:
             flag = "" if runs[k][i].get("verified", True) else "!"
             cells.append(f"{value:>14.2f}{flag or ' '}" if value is not None else f"{'-':>15}")
         line = f"{size['mb']:>7g} {size['blocks']:>6} {size['nbytes']:>11} " + " ".join(cells)
-        if ratio:
-            line += f"  {runs['cuda_ipc'][i]['recv_gbps'] / runs['p2p'][i]['send_gbps']:>7.0%}"
+        for _, key, side in ratios:
+            line += f" {runs[key][i][f'{side}_gbps'] / runs['p2p'][i]['send_gbps']:>10.0%}"
         print(line)
     for kind, route in result.get("routes", {}).items():
         how = "direct CUDA IPC" if route.get("direct") else f"FRAMES: {route.get('reason')}"
@@ -449,6 +545,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--head-dim", type=int, default=Layout.head_dim)
     ap.add_argument("--block-size", type=int, default=Layout.block_size)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--profile", action="store_true", help="cProfile the transports' host side: <out>/*.prof"
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/transfer")
     ap.add_argument("--replot", type=Path, help="only redraw the plot and table of a JSON result")
     args = ap.parse_args()
@@ -502,12 +601,27 @@ def main() -> None:
     result["runs"]["raw_zmq"] = measure_raw_zmq(sizes, layout, args.repeats, src.type == "cuda")
     shape = layout.pool_shape(max(s.blocks for s in sizes))
     src_pool = torch.randn(shape, dtype=torch.bfloat16, device=src)
+    if "cuda_ipc" in args.transports and src.type == "cuda":
+        result["runs"].update(measure_data_path(sizes, src_pool, dst, args))
+    args.out.mkdir(parents=True, exist_ok=True)
     for kind in args.transports:
+        profile = cProfile.Profile() if args.profile else None
+        if profile is not None:
+            profile.enable()
         rows, route = measure_transport(kind, sizes, src_pool, dst, args)
+        if profile is not None:
+            profile.disable()
+            profile.dump_stats(args.out / f"{kind}.prof")
+            stats = pstats.Stats(profile).sort_stats("tottime")
+            print(f"\n{kind}: the sender's host time by function (all sizes and repeats)")
+            stats.print_stats(18)
         result["runs"][kind] = rows
         if route:
             result["routes"][kind] = route
-    args.out.mkdir(parents=True, exist_ok=True)
+        if kind == "cuda_ipc" and src.type == "cuda":
+            result["runs"]["cuda_ipc_bulk"] = measure_transport(
+                kind, sizes, src_pool, dst, args, bulk=True
+            )[0]
     path = args.out / "transfer.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")

@@ -13,3 +13,10 @@ def cache_dir() -> Path:
 
 def log_level() -> str:
     return os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper()
+
+
+def profile_dir() -> Path | None:
+    """Where node processes write a cProfile of their main loop (PDSERVE_PROFILE_DIR; unset: no
+    profiling)."""
+    value = os.environ.get("PDSERVE_PROFILE_DIR")
+    return Path(value) if value else None

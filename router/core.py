@@ -151,6 +151,8 @@ class RouterCore:
         self.ledger.sent(request_id, route.prefill, len(ids), route.decode, blocks)
         self.metrics.running.inc()
         self.metrics.prompt_tokens.inc(len(ids))
+        for node_id in route.nodes:
+            self.metrics.node_requests.inc(node=node_id, role=self.registry.nodes[node_id].role)
         return queue
 
     def abort(self, request_id: str, route: Route) -> None:

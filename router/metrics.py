@@ -119,6 +119,9 @@ class RouterMetrics:
         self.generation_tokens = Counter(
             f"{p}_generation_tokens_total", "Tokens returned to clients."
         )
+        self.node_requests = Counter(
+            f"{p}_node_requests_total", "Requests dispatched to each node, by node and role."
+        )
         self.running = Gauge(f"{p}_requests_running", "Requests dispatched and not finished.")
         self.node_healthy = Gauge(f"{p}_node_healthy", "1 if the node heartbeats in time.")
         self.ttft = Histogram(f"{p}_time_to_first_token_seconds", "Arrival to first token.")
@@ -128,7 +131,8 @@ class RouterMetrics:
         self.running.set(0)
 
     def all(self) -> list[_Metric]:
-        return [self.requests, self.prompt_tokens, self.generation_tokens, self.running,
+        return [self.requests, self.prompt_tokens, self.generation_tokens, self.node_requests,
+                self.running,
                 self.node_healthy, self.ttft, self.itl, self.e2e, self.phase]  # fmt: skip
 
     def request_done(

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Start the router plus N prefill and M decode node processes on this host, wait until the
-# router reports healthy, print its URL, and stop every started process on Ctrl-C / SIGTERM.
+# router reports every node healthy, print its URL, and stop every started process on Ctrl-C / SIGTERM.
 # With no arguments: the embedded SmolLM2-135M-Instruct model, one prefill and one decode
 # process (first GPUs if present, else CPU), router on 127.0.0.1:8000, ZMQ KV transport.
 #
@@ -114,7 +114,12 @@ start router "" "$python" -m router --model "$model_dir" --served-model-name "$m
 
 url="http://$host:$port"
 deadline=$((SECONDS + health_timeout))
-until "$python" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" "$url/health" 2>/dev/null; do
+# Serving once every started node heartbeats, not just one of each role: a load that starts
+# right away should find the whole pool.
+all_healthy='import json, sys, urllib.request
+body = json.load(urllib.request.urlopen(sys.argv[1], timeout=2))
+sys.exit(0 if all(n["healthy"] for n in body["nodes"]) else 1)'
+until "$python" -c "$all_healthy" "$url/health" 2>/dev/null; do
   for k in "${!pids[@]}"; do
     if ! kill -0 "${pids[$k]}" 2>/dev/null; then
       echo "launch_pd.sh: ${names[$k]} (pid ${pids[$k]}) exited during start-up; stopping" >&2

@@ -518,3 +518,5 @@ def test_metrics_count_requests_tokens_and_phases(make, answer_ids):
     assert "pdserve_router_inter_token_latency_seconds_count 4" in text
     assert 'pdserve_router_phase_seconds_count{phase="prefill_compute"} 2' in text
     assert "pdserve_router_requests_running 0" in text
+    assert f'pdserve_router_node_requests_total{{node="{P}",role="prefill"}} 2' in text
+    assert f'pdserve_router_node_requests_total{{node="{D}",role="decode"}} 2' in text
