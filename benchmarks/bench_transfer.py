@@ -375,7 +375,7 @@ def measure_data_path(
                 src_ids = rng.sample(range(free_blocks), size.blocks)
                 dst_ids = rng.sample(range(free_blocks), size.blocks)
                 want = checksum(src_pool, src_ids)
-                pairs = writer.index(src_ids, dst_ids)
+                pairs = writer.block_pairs(src_ids, dst_ids)
                 chunks = [range(i, i + 1) for i in range(layers)] if per_layer else [range(layers)]
 
                 def once(rep: int) -> Sample:

@@ -23,7 +23,7 @@ for step in $steps; do
   case $step in
     tests)
       timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_kv_transfer_cuda_ipc_gpu.py \
-        tests/test_kv_transfer.py tests/test_triton_kernels.py -k "gpu or cuda or copy_blocks" 2>&1 | tail -8 ;;
+        tests/test_kv_transfer.py tests/test_triton_kernels.py -k "gpu or cuda or block_copier" 2>&1 | tail -8 ;;
     transfer)
       timeout 300 python3 benchmarks/bench_transfer.py --out "$WORK/transfer" >"$OUT/transfer.log" 2>&1
       tail -14 "$OUT/transfer.log"

@@ -141,7 +141,7 @@ class CudaIpcSender(KVSender):
             if outside:
                 self._fail(entry, f"destination blocks {outside[:8]} outside the receiver's pool")
                 return entry.transfer
-            pairs = writer.index(entry.transfer.block_ids, entry.dst_block_ids)
+            pairs = writer.block_pairs(entry.transfer.block_ids, entry.dst_block_ids)
             self._jobs[request_id] = _DirectJob(dest_address, writer, pairs)
         direct = writer is not None
         start = Start(request_id, dest.session if direct else "", direct=direct)

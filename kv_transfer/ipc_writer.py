@@ -44,7 +44,7 @@ class DirectWriter:
     def remote_num_blocks(self) -> int:
         return self.remote.shape[2]
 
-    def index(self, src_ids: list[int], dst_ids: list[int]) -> torch.Tensor:
+    def block_pairs(self, src_ids: list[int], dst_ids: list[int]) -> torch.Tensor:
         """The request's (source, destination) block pairs, on the local GPU (side stream)."""
         host = self._blocks.block_pairs(src_ids, dst_ids).pin_memory()
         with torch.cuda.stream(self.side):

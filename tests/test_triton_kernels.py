@@ -24,7 +24,7 @@ from common.attention.base import AttentionMetadata  # noqa: E402
 from common.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from common.attention.torch_backend import write_kv as torch_write_kv  # noqa: E402
 from common.kernels import fused_ops  # noqa: E402
-from common.kernels.block_copy import block_pairs, copy_blocks  # noqa: E402
+from common.kernels.block_copy import BlockCopier, block_pairs  # noqa: E402
 from common.kernels.paged_attention import (  # noqa: E402
     DecodeScratch,
     decode_num_splits,
@@ -325,7 +325,7 @@ def test_rotary_rotates_q_and_k_in_place_like_torch(device, dtype):
     "dtype, block_shape", [(torch.bfloat16, (16, 2, 64)), (torch.float32, (4, 3, 40))]
 )
 @pytest.mark.parametrize("layers", [range(0, 3), range(1, 2), range(2, 3)])
-def test_copy_blocks_writes_exactly_the_listed_blocks_of_the_listed_layers(
+def test_block_copier_writes_exactly_the_listed_blocks_of_the_listed_layers(
     device, dtype, block_shape, layers
 ):
     # Pools of different block counts; a block shape that is not a power of two (the masked
@@ -336,23 +336,22 @@ def test_copy_blocks_writes_exactly_the_listed_blocks_of_the_listed_layers(
     want = dst.clone()
     for s, d in zip(src_ids, dst_ids, strict=True):
         want[layers.start : layers.stop, :, d] = src[layers.start : layers.stop, :, s]
-    copy_blocks(src, dst, block_pairs(src_ids, dst_ids).to(device), layers)
+    BlockCopier(src, dst)(block_pairs(src_ids, dst_ids).to(device), layers)
     assert torch.equal(dst, want)
 
 
-def test_copy_blocks_refuses_mismatched_pools_and_does_nothing_for_no_blocks(device):
+def test_block_copier_refuses_mismatched_pools_and_does_nothing_for_no_blocks(device):
     src = torch.randn(2, 2, 4, 16, 2, 8, device=device)
     with pytest.raises(ValueError, match="layouts differ"):
-        copy_blocks(
-            src, torch.randn(2, 2, 4, 16, 2, 4, device=device), block_pairs([0], [0]), range(2)
-        )
+        BlockCopier(src, torch.randn(2, 2, 4, 16, 2, 4, device=device))
     with pytest.raises(ValueError, match="contiguous"):
-        copy_blocks(src, src.transpose(0, 1), block_pairs([0], [0]), range(2))
+        BlockCopier(src, src.transpose(0, 1))
     with pytest.raises(ValueError, match="step-1 range"):
-        copy_blocks(src, src.clone(), block_pairs([0], [0]), range(0, 3))
+        BlockCopier(src, src.clone())(block_pairs([0], [0]).to(device), range(0, 3))
     with pytest.raises(ValueError, match="source blocks"):
         block_pairs([0, 1], [0])
     dst = src.clone().zero_()
-    copy_blocks(src, dst, block_pairs([], []).to(device), range(2))
-    copy_blocks(src, dst, block_pairs([1], [2]).to(device), range(1, 1))
+    copy = BlockCopier(src, dst)
+    copy(block_pairs([], []).to(device), range(2))
+    copy(block_pairs([1], [2]).to(device), range(1, 1))
     assert not dst.any()

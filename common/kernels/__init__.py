@@ -2,6 +2,7 @@
 
 - `paged_attention`: varlen causal prefill and split-K decode over the paged KV pool.
 - `fused_ops`: RMSNorm (+ residual add), SiLU-and-mul, neox rotary, paged KV write.
+- `block_copy`: whole KV blocks from one pool into another, across GPUs too (cuda_ipc).
 
 `triton.jit` decides at decoration time whether a kernel is compiled or interpreted, so these
 modules are imported only by the code that launches them (`common.ops`, the triton attention

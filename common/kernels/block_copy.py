@@ -85,11 +85,6 @@ class BlockCopier:
             )  # fmt: skip
 
 
-def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor, layers: range) -> None:
-    """One-off `BlockCopier(src, dst)(pairs, layers)`."""
-    BlockCopier(src, dst)(pairs, layers)
-
-
 def enable_peer_access(device: torch.device, peer: torch.device) -> None:
     """Let kernels on `device` read and write memory of `peer` (CUDA IPC-opened memory too).
     torch enables it, from the source's GPU to the destination's, on its first copy between
