@@ -328,10 +328,12 @@ def measure_transport(
                 peer.get()
                 t0 = time.monotonic()
                 sender.begin(rid, peer.address, src_ids, dst_ids)
+                layers = range(src_pool.shape[0])
                 if bulk:
-                    sender.send_layers(rid, range(src_pool.shape[0]))
-                for layer in [] if bulk else range(src_pool.shape[0]):
-                    sender.send_layer(rid, layer)
+                    sender.send_layers(rid, layers)
+                else:
+                    for layer in layers:
+                        sender.send_layer(rid, layer)
                 sender.complete(rid, {"rep": rep})
                 sent = _sender_done(sender, rid) - t0
                 report = peer.get()

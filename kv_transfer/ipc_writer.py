@@ -30,7 +30,7 @@ class DirectWriter:
         # tests decide about the Triton interpreter before that (common.kernels' docstring).
         from common.kernels import block_copy
 
-        self._blocks = block_copy
+        self._pairs = block_copy.block_pairs
         self.local = local
         self.remote = remote.tensor
         self.holder = remote.holder  # the GPU that holds the remote pool
@@ -46,7 +46,7 @@ class DirectWriter:
 
     def block_pairs(self, src_ids: list[int], dst_ids: list[int]) -> torch.Tensor:
         """The request's (source, destination) block pairs, on the local GPU (side stream)."""
-        host = self._blocks.block_pairs(src_ids, dst_ids).pin_memory()
+        host = self._pairs(src_ids, dst_ids).pin_memory()
         with torch.cuda.stream(self.side):
             return host.to(self.local.device, non_blocking=True)
 

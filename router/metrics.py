@@ -132,8 +132,7 @@ class RouterMetrics:
 
     def all(self) -> list[_Metric]:
         return [self.requests, self.prompt_tokens, self.generation_tokens, self.node_requests,
-                self.running,
-                self.node_healthy, self.ttft, self.itl, self.e2e, self.phase]  # fmt: skip
+                self.running, self.node_healthy, self.ttft, self.itl, self.e2e, self.phase]  # fmt: skip
 
     def request_done(
         self, status: int, timing: TimingRecord | None, completion_tokens: int

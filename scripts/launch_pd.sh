@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Start the router plus N prefill and M decode node processes on this host, wait until the
-# router reports every node healthy, print its URL, and stop every started process on Ctrl-C / SIGTERM.
+# Start the router plus N prefill and M decode node processes on this host, wait until every
+# node is healthy, print the router's URL, and stop every started process on Ctrl-C / SIGTERM.
 # With no arguments: the embedded SmolLM2-135M-Instruct model, one prefill and one decode
 # process (first GPUs if present, else CPU), router on 127.0.0.1:8000, ZMQ KV transport.
 #

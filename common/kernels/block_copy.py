@@ -5,9 +5,10 @@ dtype and one per-block shape; their block counts may differ. One program copies
 plane of one block of one layer, so a set of layers moves in one launch and one pass over the
 bytes, with no gather buffer and no host work per block.
 
-The destination may be a pool of another GPU that this process reaches by peer access (a
-CUDA IPC-opened decode pool): the kernel runs on the source's GPU and stores through the peer
-mapping, over NVLink or PCIe. `enable_peer_access` must have been called for that pair first.
+The destination may live on another GPU: the kernel runs on the source's GPU and stores through
+a peer mapping, over NVLink or PCIe. A CUDA IPC-opened pool is mapped for the source's GPU when
+it is opened in that GPU's context (kv_transfer.ipc_handles.open_pool); a pool this process
+allocated on another GPU needs `enable_peer_access` for the pair first.
 """
 
 from __future__ import annotations
@@ -86,9 +87,10 @@ class BlockCopier:
 
 
 def enable_peer_access(device: torch.device, peer: torch.device) -> None:
-    """Let kernels on `device` read and write memory of `peer` (CUDA IPC-opened memory too).
-    torch enables it, from the source's GPU to the destination's, on its first copy between
-    them; one element's copy does that and costs nothing afterwards."""
+    """Let kernels on `device` read and write what this process allocated on `peer` (not
+    memory IPC-opened in `peer`'s context: that stays unmapped for `device`). torch enables it,
+    from the source's GPU to the destination's, on its first copy between them; one element's
+    copy does that and costs nothing afterwards."""
     if device != peer:
         torch.empty(1, device=peer).copy_(torch.empty(1, device=device))
         torch.cuda.synchronize(device)
