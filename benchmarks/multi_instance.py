@@ -21,7 +21,6 @@ every KV route was direct (cuda_ipc) and no node still holds blocks.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import re
 import subprocess
@@ -35,13 +34,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: the repository's packages
 
-from benchmarks.bench_serving import run_level  # noqa: E402
+from benchmarks.bench_serving import benchmark  # noqa: E402
+from benchmarks.loadgen.client import Target  # noqa: E402
+from benchmarks.loadgen.runner import RunConfig  # noqa: E402
+from benchmarks.loadgen.workloads import WorkloadConfig, build_workload  # noqa: E402
 from benchmarks.stack import PDStack, same_python_env  # noqa: E402
 
 NODE_REQUESTS = re.compile(
     r'^pdserve_router_node_requests_total\{node="([^"]+)",role="([^"]+)"\} (\S+)$', re.M
 )
-EXTRA = {"logprobs": 0}  # a chunk per token even for a model without a tokenizer
 
 
 def parse_layout(text: str) -> tuple[int, int]:
@@ -97,6 +98,30 @@ def held_blocks(stack: PDStack) -> dict[str, dict[str, int]]:
     }
 
 
+def closed_loop(
+    url: str, model: str, clients: int, requests: int, prompt: int, output: int, seed: int
+) -> dict[str, Any]:
+    """`requests` requests, `clients` in flight at a time; the figures print_table shows."""
+    specs = build_workload(
+        WorkloadConfig("random", requests, seed, input_len=str(prompt), output_len=str(output))
+    )
+    config = RunConfig(max_concurrency=clients, seed=seed, progress=False)
+    out = benchmark(Target(url, model), specs, config)
+    summary = out["summary"]
+    if summary["failed"]:
+        raise RuntimeError(f"{summary['failed']} requests failed: {summary['errors']}")
+    return {
+        "concurrency": clients,
+        "requests": summary["completed"],
+        "output_tokens": summary["total_output_tokens"],
+        "wall_s": summary["duration_s"],
+        "output_tokens_per_s": summary["output_throughput"],
+        "ttft_median_s": summary["ttft_ms"]["p50"] / 1e3,
+        "itl_median_s": summary["itl_ms"]["p50"] / 1e3,
+        "itl_p99_s": summary["itl_ms"]["p99"] / 1e3,
+    }
+
+
 def run_layout(prefill: int, decode: int, args: argparse.Namespace, env: dict) -> dict[str, Any]:
     name = f"{prefill}x{decode}"
     launch = launch_args(prefill, decode, args)
@@ -109,13 +134,11 @@ def run_layout(prefill: int, decode: int, args: argparse.Namespace, env: dict) -
         model = stack.get("/v1/models")[1]["data"][0]["id"]
         devices = {f"{n['role']} {n['id']}": n["device"] for n in stack.get("/health")[1]["nodes"]}
         warm = 2 * prefill * decode  # enough concurrent requests to reach every node
-        asyncio.run(run_level(stack.url, model, warm, 1, args.prompt_tokens, 8, 1, EXTRA))
+        closed_loop(stack.url, model, warm, warm, args.prompt_tokens, 8, args.seed + 1)
         before = node_requests(stack)
-        level = asyncio.run(
-            run_level(
-                stack.url, model, args.concurrency, args.requests_per_client,
-                args.prompt_tokens, args.max_tokens, args.seed, EXTRA,
-            )
+        level = closed_loop(
+            stack.url, model, args.concurrency, args.concurrency * args.requests_per_client,
+            args.prompt_tokens, args.max_tokens, args.seed,
         )  # fmt: skip
         after = node_requests(stack)
         served = {node: after.get(node, 0) - before.get(node, 0) for node in devices}

@@ -39,7 +39,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: the repository's packages
 
-from benchmarks.bench_serving import one_request  # noqa: E402
+from benchmarks.loadgen.client import RequestResult, Target, send  # noqa: E402
+from benchmarks.loadgen.workloads import RequestSpec  # noqa: E402
 from benchmarks.stack import PDStack, same_python_env  # noqa: E402
 
 # Prefill on GPU 0, decode on GPU 1 (launch_pd.sh pins with --device cuda:N and leaves every
@@ -77,12 +78,14 @@ def launch_args(setup: str, args: argparse.Namespace) -> list[str]:
 # -- measuring ----------------------------------------------------------------------------------
 
 
-def request_record(response: dict[str, Any]) -> dict[str, Any]:
-    timing = response["timing"] or {}
+def request_record(response: RequestResult) -> dict[str, Any]:
+    if not response.success:
+        raise RuntimeError(f"request failed: {response.error}")
+    timing = response.timing or {}
     record = {k: timing.get(k) for k in ("ttft", *TTFT_PHASES, *AFTER_FIRST)}
-    record["client_ttft"], record["client_e2e"] = response["ttft"], response["e2e"]
-    record["first_gap"] = response["gaps"][0] if response["gaps"] else None  # client-side
-    record["tokens"] = response["tokens"]
+    record["client_ttft"], record["client_e2e"] = response.ttft, response.e2e
+    record["first_gap"] = response.itl[0] if response.itl else None  # client-side
+    record["tokens"] = response.output_tokens
     missing = [k for k in TTFT_PHASES if record[k] is None]
     record["phase_sum"] = None if missing else sum(record[k] for k in TTFT_PHASES)
     return record
@@ -103,17 +106,20 @@ def summarize(length: int, records: list[dict[str, Any]]) -> dict[str, Any]:
 
 async def measure(url: str, model: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     rng = random.Random(args.seed)
-    extra = {"logprobs": 0}  # a chunk per token even for a model without a tokenizer
+    target = Target(url, model)
     rows = []
     async with httpx.AsyncClient(timeout=600) as client:
         for length in args.lengths:
             prompts = [
-                [rng.randrange(100, 30000) for _ in range(length)] for _ in range(1 + args.repeats)
+                RequestSpec(
+                    args.max_tokens, tuple(rng.randrange(100, 30000) for _ in range(length))
+                )
+                for _ in range(1 + args.repeats)
             ]
-            await one_request(client, url, model, prompts[0], args.max_tokens, extra)  # warm-up
+            await send(client, target, prompts[0], RequestResult(0, 0.0))  # warm-up
             records = []
             for prompt in prompts[1:]:
-                response = await one_request(client, url, model, prompt, args.max_tokens, extra)
+                response = await send(client, target, prompt, RequestResult(0, 0.0))
                 records.append(request_record(response))
                 r = records[-1]
                 print(

@@ -53,14 +53,18 @@ class ResponseFormatter:
         self._token_text: dict[int, str] = {}
 
     def chunk(self, delta: Delta, timing: dict[str, Any] | None = None) -> dict[str, Any] | None:
-        """The stream chunk for one delta, or None when it carries nothing for the client."""
-        if not (delta.text or delta.finish_reason or (self.logprobs and delta.pieces)):
+        """The stream chunk for one delta, or None when it carries nothing for the client.
+
+        Every delta that carries tokens gets a chunk, even when its text is empty (held back
+        for a stop string, an incomplete UTF-8 sequence, or a model without a tokenizer), as
+        vLLM does: clients time tokens by the chunks they receive."""
+        if not (delta.text or delta.finish_reason or delta.pieces):
             if self.kind == "completion" or self._role_sent:
                 return None
         choice: dict[str, Any] = {"index": 0}
         if self.kind == "chat":
             body: dict[str, Any] = {} if self._role_sent else {"role": "assistant"}
-            if delta.text or not self._role_sent:
+            if delta.text or delta.pieces or not self._role_sent:
                 body["content"] = delta.text
             self._role_sent = True
             choice["delta"] = body

@@ -52,15 +52,25 @@ def test_first_chat_chunk_carries_the_role_and_later_ones_do_not():
 def test_final_chunk_has_finish_reason_and_timing_and_an_empty_delta_when_no_text():
     fmt = chat()
     fmt.chunk(Delta("x", [TokenPiece(0)]))
-    last = fmt.chunk(Delta("", [TokenPiece(1)], "stop"), timing={"ttft": 0.1})
+    last = fmt.chunk(Delta("", [], "stop"), timing={"ttft": 0.1})
     assert last["choices"][0]["delta"] == {}
     assert last["choices"][0]["finish_reason"] == "stop"
     assert last["timing"] == {"ttft": 0.1}
 
 
-def test_chunks_without_text_are_skipped_unless_logprobs_were_asked():
-    assert completion().chunk(Delta("", [TokenPiece(3)])) is None
-    assert completion(logprobs=True).chunk(Delta("", [TokenPiece(3, -0.5)])) is not None
+def test_every_token_gets_a_chunk_even_with_no_text_so_clients_can_time_tokens():
+    text_chunk = completion().chunk(Delta("", [TokenPiece(3)]))
+    assert text_chunk is not None and text_chunk["choices"][0]["text"] == ""
+    fmt = chat()
+    fmt.chunk(Delta("x", [TokenPiece(0)]))
+    assert fmt.chunk(Delta("", [TokenPiece(1)]))["choices"][0]["delta"] == {"content": ""}
+
+
+def test_a_delta_with_no_tokens_no_text_and_no_finish_gets_no_chunk():
+    assert completion().chunk(Delta("", [])) is None
+    fmt = chat()
+    fmt.chunk(Delta("x", [TokenPiece(0)]))
+    assert fmt.chunk(Delta("", [])) is None
 
 
 def test_include_usage_adds_null_usage_to_chunks_and_a_final_usage_chunk():
