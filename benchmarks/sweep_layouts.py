@@ -25,10 +25,12 @@ disjoint GPUs).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run as a script: the repository's packages
 
 from benchmarks.bench_serving import benchmark, warm_up  # noqa: E402
-from benchmarks.loadgen.client import Target  # noqa: E402
+from benchmarks.loadgen.client import RequestResult, Target  # noqa: E402
 from benchmarks.loadgen.metrics import SLO  # noqa: E402
 from benchmarks.loadgen.report import write_json  # noqa: E402
 from benchmarks.loadgen.runner import RunConfig, StopRule  # noqa: E402
@@ -110,14 +112,26 @@ def max_goodput_rate(points: list[dict[str, Any]], target: float) -> dict[str, A
     return {"rate": p["rate"] + (q["rate"] - p["rate"]) * frac, "bound": "interpolated"}
 
 
-def run_layout(layout: Layout, args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
+def run_layout(
+    layout: Layout,
+    args: argparse.Namespace,
+    env: dict[str, str],
+    done: list[dict[str, Any]],
+    save: Callable[[], None],
+) -> None:
+    """Sweep one layout. Its record joins `done` first and grows point by point, and `save`
+    runs after each point, so a run cut short keeps what it measured."""
     launch = layout.launch_args(args.gpus, args.transport) + _common_launch_args(args)
     print(f"== {layout.name}: launch_pd.sh {' '.join(launch)}", flush=True)
     started = time.monotonic()
     log_path = args.out / f"{layout.name}.log"
-    stack = PDStack(*launch, log_path=log_path, start_timeout_s=args.health_timeout + 60, env=env)
-    out: dict[str, Any] = {"layout": layout.name, "gpus": layout.gpus, "launch_args": launch}
     points: list[dict[str, Any]] = []
+    out: dict[str, Any] = {
+        "layout": layout.name, "gpus": layout.gpus, "launch_args": launch, "points": points,
+        "max_goodput": {"rate": 0.0, "bound": "none", "per_gpu": 0.0},
+    }  # fmt: skip
+    done.append(out)
+    stack = PDStack(*launch, log_path=log_path, start_timeout_s=args.health_timeout + 60, env=env)
     try:
         out["start_s"] = time.monotonic() - started
         print(f"   healthy after {out['start_s']:.0f} s", flush=True)
@@ -129,17 +143,24 @@ def run_layout(layout: Layout, args: argparse.Namespace, env: dict[str, str]) ->
         for k, per_gpu in enumerate(sorted(args.rates_per_gpu)):
             point = run_point(layout, per_gpu, k, target, probe, args)
             points.append(point)
+            out["max_goodput"] = _max_goodput(points, args.attainment, layout.gpus)
+            save()
             _print_point(point)
-            below += point["attainment"] < args.attainment
-            if below > args.points_past_knee or point["attainment"] < args.give_up_below:
+            # The knee is that of the loosest objective (--stop-slo), so that every SLO
+            # between it and --slo can be scored afterwards from the per-request rows.
+            below += point["stop_attainment"] < args.attainment
+            if below > args.points_past_knee or point["stop_attainment"] < args.give_up_below:
                 break
     finally:
         left = stack.stop()
         out["orphans"] = left
         print(f"   stopped{'; STILL ALIVE: ' + str(left) if left else ''}", flush=True)
-    out["points"] = points
-    out["max_goodput"] = max_goodput_rate(points, args.attainment)
-    out["max_goodput"]["per_gpu"] = out["max_goodput"]["rate"] / layout.gpus
+    save()
+
+
+def _max_goodput(points: list[dict[str, Any]], target: float, gpus: int) -> dict[str, Any]:
+    out = max_goodput_rate(points, target)
+    out["per_gpu"] = out["rate"] / gpus
     return out
 
 
@@ -147,11 +168,12 @@ def run_point(layout, per_gpu, k, target, probe, args) -> dict[str, Any]:
     rate = per_gpu * layout.gpus
     num = max(1, math.ceil(rate * args.duration))
     specs = _workload(args, num, seed=args.seed + k)
-    slo = SLO.parse(args.slo)
+    slo, stop_slo = SLO.parse(args.slo), SLO.parse(args.stop_slo or args.slo)
     config = RunConfig(
         request_rate=rate, burstiness=args.burstiness, seed=args.seed + k,
         client_processes=args.client_processes, drain_timeout_s=args.drain_timeout,
-        stop_when_missed=StopRule.for_attainment(slo, args.attainment, num), progress=False,
+        stop_when_missed=StopRule.for_attainment(stop_slo, args.attainment, num),
+        progress=False,
     )  # fmt: skip
     probe.start()
     result = benchmark(target, specs, config, slo)
@@ -162,6 +184,7 @@ def run_point(layout, per_gpu, k, target, probe, args) -> dict[str, Any]:
         "rate": rate,
         "rate_per_gpu": per_gpu,
         "attainment": summary["attainment"],
+        "stop_attainment": _attainment(result["requests"], stop_slo),
         "goodput": summary["goodput"],
         "goodput_per_gpu": summary["goodput"] / layout.gpus,
         "stopped_early": result["stopped_early"],
@@ -170,10 +193,33 @@ def run_point(layout, per_gpu, k, target, probe, args) -> dict[str, Any]:
         "cpu_percent": cpu,
         "held_blocks_after": held,
     }
-    if args.keep_requests:
-        rows = [{k: v for k, v in r.items() if k != "itl"} for r in result["requests"]]
-        point["requests"] = rows
+    # Enough of every request to score any other SLO afterwards (rescore); ITLs stay out.
+    point["requests"] = [{k: r[k] for k in REQUEST_KEYS} for r in result["requests"]]
     return point
+
+
+REQUEST_KEYS = ("sent", "ttft", "tpot", "e2e", "output_tokens", "success", "error")
+
+
+def _attainment(rows: list[dict[str, Any]], slo: SLO) -> float:
+    good = sum(1 for r in rows if slo.met(RequestResult.from_dict(_row(r))))
+    return good / len(rows) if rows else 0.0
+
+
+def _row(r: dict[str, Any]) -> dict[str, Any]:
+    keep = ("ttft", "e2e", "output_tokens", "success", "error")
+    return {"index": 0, "scheduled": 0.0, **{k: r.get(k) for k in keep}}
+
+
+def rescore(layout: dict[str, Any], slo: SLO, target: float) -> dict[str, Any]:
+    """A layout's goodput under another SLO, from the per-request rows of its points (valid
+    for SLOs at least as tight as the --stop-slo the sweep ran with)."""
+    points = [
+        {"rate": p["rate"], "attainment": _attainment(p["requests"], slo)} for p in layout["points"]
+    ]
+    out = max_goodput_rate(points, target)
+    out["per_gpu"] = out["rate"] / layout["gpus"]
+    return out
 
 
 def _workload(args: argparse.Namespace, num: int, seed: int):
@@ -213,12 +259,14 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f} ms"
 
 
-def print_table(layouts: list[dict[str, Any]]) -> None:
-    colo = [x["max_goodput"]["per_gpu"] for x in layouts if x["layout"].endswith("c")]
+def print_table(layouts: list[dict[str, Any]], slo: SLO, target: float) -> None:
+    scored = [(x, rescore(x, slo, target)) for x in layouts]
+    colo = [g["per_gpu"] for x, g in scored if x["layout"].endswith("c")]
     base = max(colo) if colo else None
-    print(f"\n{'layout':>8} {'GPUs':>4} {'goodput req/s':>14} {'per GPU':>8} {'vs coloc':>9}")
-    for x in layouts:
-        g = x["max_goodput"]
+    objectives = " ".join(f"{k.removesuffix('_ms')}:{v:g}" for k, v in slo.to_dict().items())
+    print(f"\nSLO {objectives} ms, {target * 100:g}% attainment")
+    print(f"{'layout':>8} {'GPUs':>4} {'goodput req/s':>14} {'per GPU':>8} {'vs coloc':>9}")
+    for x, g in scored:
         ratio = f"x{g['per_gpu'] / base:.2f}" if base else "-"
         flag = {"lower": " (>=)", "none": " (none)"}.get(g["bound"], "")
         print(
@@ -250,6 +298,22 @@ def build_parser() -> argparse.ArgumentParser:
     add("--num-groups", type=int, default=8)
     add("--prefix-len", type=int, default=2048)
     add("--slo", nargs="+", default=["ttft:3000", "tpot:20"], metavar="KEY:MS")
+    add(
+        "--stop-slo",
+        nargs="+",
+        default=None,
+        metavar="KEY:MS",
+        help="loosest SLO of interest: points stop early and rates stop rising by it "
+        "(default: --slo); any SLO between --slo and it can be scored afterwards",
+    )
+    add(
+        "--extra-slo",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar="KEY:MS",
+        help="also print the goodput table for this SLO (repeatable)",
+    )
     add("--attainment", type=float, default=0.9)
     add("--rates-per-gpu", nargs="+", type=float, default=[1, 2, 3, 4, 5, 6])
     add("--duration", type=float, default=30.0, help="seconds of arrivals per point")
@@ -262,7 +326,6 @@ def build_parser() -> argparse.ArgumentParser:
     add("--warmup-requests", type=int, default=8)
     add("--client-processes", type=int, default=1)
     add("--health-timeout", type=int, default=900)
-    add("--keep-requests", action="store_true", help="per-request rows in sweep.json")
     add("--out", type=Path, default=Path("benchmarks/results/sweep"))
     add("--plot-only", nargs="+", type=Path, default=None, metavar="DIR")
     return p
@@ -271,19 +334,31 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.plot_only:
-        sweeps = [__import__("json").loads((d / "sweep.json").read_text()) for d in args.plot_only]
+        found = [d / "sweep.json" for d in args.plot_only if (d / "sweep.json").exists()]
+        for d in args.plot_only:
+            if not (d / "sweep.json").exists():
+                print(f"no sweep.json in {d}: left out", file=sys.stderr)
+        sweeps = [json.loads(path.read_text()) for path in found]
+        if not sweeps:
+            return 1
         layouts = [x for s in sweeps for x in s["layouts"]]
-        print_table(layouts)
+        for slo in [args.slo, *args.extra_slo]:
+            print_table(layouts, SLO.parse(slo), args.attainment)
         plot_sweeps(args.out / "sweep.png", sweeps)
         return 0
-    SLO.parse(args.slo)  # fail on a typo before anything starts
+    for slo in [args.slo, args.stop_slo or args.slo, *args.extra_slo]:
+        SLO.parse(slo)  # fail on a typo before anything starts
     args.out.mkdir(parents=True, exist_ok=True)
     env = same_python_env(args.out / "shim_venv")
     result: dict[str, Any] = {"config": _config(args), "layouts": []}
+
+    def save() -> None:  # after every point: what is done so far survives a crash
+        write_json(args.out / "sweep.json", result)
+
     for layout in args.layouts:
-        result["layouts"].append(run_layout(layout, args, env))
-        write_json(args.out / "sweep.json", result)  # what is done so far survives a crash
-    print_table(result["layouts"])
+        run_layout(layout, args, env, result["layouts"], save)
+    for slo in [args.slo, *args.extra_slo]:
+        print_table(result["layouts"], SLO.parse(slo), args.attainment)
     plot_sweeps(args.out / "sweep.png", [result])
     return 0
 

@@ -244,3 +244,27 @@ def test_max_goodput_rate_interpolates_the_attainment_crossing():
     assert max_goodput_rate(points, 0.9) == {"rate": pytest.approx(4.5), "bound": "interpolated"}
     assert max_goodput_rate(points[:2], 0.9) == {"rate": 4.0, "bound": "lower"}
     assert max_goodput_rate(points[2:], 0.9) == {"rate": 0.0, "bound": "none"}
+
+
+def test_a_sweep_rescored_under_a_tighter_slo_finds_an_earlier_knee():
+    from benchmarks.sweep_layouts import rescore
+
+    def rows(tpots_ms: list[float]) -> list[dict]:
+        return [
+            {"sent": 0.0, "ttft": 0.1, "tpot": t / 1000, "e2e": 0.1 + 9 * t / 1000,
+             "output_tokens": 10, "success": True, "error": None}
+            for t in tpots_ms
+        ]  # fmt: skip
+
+    layout = {
+        "gpus": 2,
+        "points": [
+            {"rate": 2.0, "requests": rows([10] * 10)},
+            {"rate": 4.0, "requests": rows([10] * 5 + [30] * 5)},
+            {"rate": 6.0, "requests": rows([45] * 10)},
+        ],
+    }
+    loose = rescore(layout, SLO.parse(["tpot:50"]), 0.9)
+    assert loose == {"rate": 6.0, "bound": "lower", "per_gpu": 3.0}
+    tight = rescore(layout, SLO.parse(["tpot:20"]), 0.9)
+    assert tight["bound"] == "interpolated" and tight["rate"] == pytest.approx(2.4)
