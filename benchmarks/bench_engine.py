@@ -306,6 +306,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 32, 128])
+    ap.add_argument("--decode-contexts", type=int, nargs="+", default=[1024])
     ap.add_argument("--out", default="benchmarks/results/engine")
     args = ap.parse_args()
     out = Path(args.out)
@@ -338,7 +340,11 @@ def main() -> None:
     }
     print("engine:", result["engine"], flush=True)
     if "decode" in args.parts:
-        result["decode"] = bench_decode(llm, ceil, [1, 32, 128], 1024, args.repeats)
+        result["decode"] = [
+            row
+            for context in args.decode_contexts
+            for row in bench_decode(llm, ceil, args.decode_batches, context, args.repeats)
+        ]
         print("decode:", result["decode"], flush=True)
     if "prefill" in args.parts:
         result["prefill"] = bench_prefill(llm, ceil, [512, 2048, 8192], max(5, args.repeats // 4))

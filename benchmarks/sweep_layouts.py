@@ -191,6 +191,7 @@ def run_point(layout, per_gpu, k, target, probe, args) -> dict[str, Any]:
         "summary": summary,
         "server_phases": result["server_phases"],
         "cpu_percent": cpu,
+        "cpu_by_thread": probe.threads,
         "held_blocks_after": held,
     }
     # Enough of every request to score any other SLO afterwards (rescore); ITLs stay out.

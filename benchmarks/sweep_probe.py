@@ -29,12 +29,31 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
-def _cpu_ticks(pid: int) -> int | None:
+def _cpu_ticks(pid: int, task: int | None = None) -> int | None:
+    path = f"/proc/{pid}/stat" if task is None else f"/proc/{pid}/task/{task}/stat"
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
     return int(fields[11]) + int(fields[12])  # utime + stime (fields 14 and 15 of stat)
+
+
+def _thread_ticks(pid: int) -> dict[int, tuple[str, int]]:
+    """Per thread of `pid`: (its name, CPU ticks so far)."""
+    out = {}
+    try:
+        tasks = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return out
+    for tid in tasks:
+        ticks = _cpu_ticks(pid, tid)
+        try:
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if ticks is not None:
+            out[tid] = (name, ticks)
+    return out
 
 
 def stack_processes(stack: PDStack) -> dict[str, int]:
@@ -60,10 +79,13 @@ class StackProbe:
         self.stack = stack
         self.procs = stack_processes(stack)
         self._ticks: dict[str, int | None] = {}
+        self._threads: dict[str, dict[int, tuple[str, int]]] = {}
+        self.threads: dict[str, dict[str, float]] = {}  # of the last start/stop window
         self._started = 0.0
 
     def start(self) -> None:
         self._ticks = {name: _cpu_ticks(pid) for name, pid in self.procs.items()}
+        self._threads = {name: _thread_ticks(pid) for name, pid in self.procs.items()}
         self._started = time.monotonic()
 
     def stop(self) -> dict[str, float | None]:
@@ -74,7 +96,19 @@ class StackProbe:
         for name, pid in self.procs.items():
             now, then = _cpu_ticks(pid), self._ticks.get(name)
             out[name] = None if now is None or then is None else 100 * (now - then) / hz / wall
+        self.threads = {
+            name: self._busy_threads(pid, name, hz, wall) for name, pid in self.procs.items()
+        }
         return out
+
+    def _busy_threads(self, pid: int, name: str, hz: int, wall: float) -> dict[str, float]:
+        """CPU percent by thread name (threads of one name summed), those above 2% only."""
+        before = self._threads.get(name, {})
+        by_name: dict[str, float] = {}
+        for tid, (comm, ticks) in _thread_ticks(pid).items():
+            used = ticks - before.get(tid, (comm, 0))[1]
+            by_name[comm] = by_name.get(comm, 0.0) + 100 * used / hz / wall
+        return {k: round(v, 1) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1]) if v > 2}
 
     def held(self) -> dict[str, dict[str, int]]:
         nodes = self.stack.get("/health")[1]["nodes"]
