@@ -17,7 +17,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD
+    && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 fi
 MODEL=${MODEL:-benchmarks/configs/qwen2.5-7b-instruct}
 LONG_RATES=${LONG_RATES:-1 2 3 4 5 6}
@@ -34,6 +34,18 @@ CLIENTS=${CLIENTS:-4}
 TIMEOUT=${TIMEOUT:-560}
 FOUR_LAYOUTS=${FOUR_LAYOUTS:-4c 3p1d 2p2d 1p3d}
 rates_for() { local var="RATES_$1"; echo "${!var:-$2}"; }  # rates_for LAYOUT DEFAULT
+# PYSPY_LAYOUT=3p1d: PYSPY_AT seconds after that layout's sweep starts, record its first decode
+# node with py-spy for PYSPY_S seconds (carry py-spy as a wheel), into $OUT/pyspy_LAYOUT.txt.
+PYSPY_LAYOUT=${PYSPY_LAYOUT:-} PYSPY_AT=${PYSPY_AT:-40} PYSPY_S=${PYSPY_S:-15}
+profile_decode() {  # profile_decode LAYOUT (in the background while its sweep runs)
+  sleep "$PYSPY_AT"
+  local pid; pid=$(pgrep -f "m decode_node" | head -1)
+  [ -n "$pid" ] || return
+  py-spy dump --pid "$pid" --native >"$OUT/pyspy_dump_$1.txt" 2>&1
+  py-spy record --pid "$pid" --native --idle --rate 200 --duration "$PYSPY_S" --format raw \
+    --output "$OUT/pyspy_$1.txt" >/dev/null 2>&1
+  top -H -b -n 1 -p "$pid" | head -40 >"$OUT/top_$1.txt"
+}
 steps=${*:-single}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | sort | uniq -c
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -82,6 +94,7 @@ for step in $steps; do
     four_long)
       dirs=()
       for layout in $FOUR_LAYOUTS; do
+        [ "$layout" = "$PYSPY_LAYOUT" ] && profile_decode "$layout" &
         sweep "$WORK/four_$layout" long-prompt "$LONG_SLO" "$LONG_STOP_SLO" \
           "$(rates_for "$layout" "$LONG_RATES")" "$DURATION" --layouts "$layout" --gpus 0,1,2,3
         dirs+=("$WORK/four_$layout")
