@@ -66,6 +66,9 @@ class Scheduler:
         self.block_size = allocator.block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Sequences whose KV is already in their blocks (decode node, after a transfer), in
+        # arrival order, waiting for a place among at most max_num_seqs running ones.
+        self.ready: deque[Sequence] = deque()
 
     # -- admission and removal ------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -86,13 +89,17 @@ class Scheduler:
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
-        """Admit a sequence whose KV is already in its blocks (decode node, after transfer)."""
+        """Admit a sequence whose KV is already in its blocks (decode node, after transfer).
+
+        It joins the running set at the next `schedule()` that has room under max_num_seqs,
+        before any waiting sequence; until then it keeps its blocks. (A decode node fed by
+        several prefill nodes must not grow past max_num_seqs: its decode steps would leave
+        the captured CUDA graphs, which stop at that size.)"""
         assert seq.block_ids and seq.num_computed_tokens > 0
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+        self.ready.append(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
-        for queue in (self.running, self.waiting):
+        for queue in (self.running, self.ready, self.waiting):
             for seq in queue:
                 if seq.request_id == request_id:
                     queue.remove(seq)
@@ -101,7 +108,7 @@ class Scheduler:
         return None
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.ready)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -110,6 +117,10 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        while self.ready and len(self.running) < self.config.max_num_seqs:
+            seq = self.ready.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
         scheduled: set[str] = set()
         i = 0
         while i < len(self.running) and budget > 0:

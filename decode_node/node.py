@@ -266,7 +266,9 @@ class DecodeNode:
             "free_blocks": stats.num_free + stats.num_cached,
             "used_blocks": stats.num_used,
             "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting) + len(self.reservations.waiting),
+            "waiting": len(self.scheduler.waiting)
+            + len(self.scheduler.ready)
+            + len(self.reservations.waiting),
             "reserved": len(self.reservations.reserved),
             "quarantined": len(self.quarantined),
             "queued_tokens": sum(s.num_pending_tokens for s in self.scheduler.waiting),

@@ -435,6 +435,51 @@ def test_add_rejects_a_request_that_could_never_fit_in_the_pool():
 # -- packaging --------------------------------------------------------------------------------
 
 
+# -- sequences whose KV arrived from a prefill node (decode node) -----------------------------
+
+
+def transferred(scheduler, request_id: str, prompt_len: int, **params: object) -> Sequence:
+    """A sequence as the decode node admits it: prompt KV in reserved blocks, first token out."""
+    seq = make_seq(request_id, prompt_len, **params)
+    seq.block_ids = scheduler.allocator.allocate(scheduler.blocks_for(prompt_len))
+    seq.num_computed_tokens = prompt_len
+    seq.output_token_ids.append(FILLER)
+    scheduler.add_running(seq)
+    return seq
+
+
+def test_transferred_sequences_never_run_more_than_max_num_seqs_at_once():
+    # A decode node fed by several prefill nodes: admissions beyond max_num_seqs wait (with
+    # their blocks) instead of growing the batch past the largest captured CUDA graph.
+    scheduler = make_scheduler(max_num_seqs=2)
+    seqs = [transferred(scheduler, f"r{i}", 20, max_tokens=3) for i in range(3)]
+    batch, _ = step(scheduler)
+    assert rows(batch) == [("r0", 20, 1), ("r1", 20, 1)]
+    assert list(scheduler.ready) == [seqs[2]] and seqs[2].block_ids  # holds its KV
+    batches = run_until_idle(scheduler)
+    assert max(len(b.items) for b in [batch, *batches]) == 2
+    assert all(len(s.output_token_ids) == 3 for s in seqs)
+    assert scheduler.allocator.stats().num_used == 0
+
+
+def test_a_transferred_sequence_is_admitted_before_waiting_prompts():
+    scheduler = make_scheduler(max_num_seqs=1)
+    scheduler.add(make_seq("local", 8))
+    transferred(scheduler, "remote", 8)
+    batch, _ = step(scheduler)
+    assert [item.seq.request_id for item in batch.items] == ["remote"]
+
+
+def test_abort_of_a_sequence_waiting_to_run_frees_its_blocks():
+    scheduler = make_scheduler(max_num_seqs=1)
+    transferred(scheduler, "a", 20)
+    b = transferred(scheduler, "b", 40)
+    step(scheduler)
+    held = scheduler.allocator.stats().num_used
+    assert scheduler.abort("b") is b and b.finish_reason is FinishReason.ABORT
+    assert scheduler.allocator.stats().num_used == held - 3 and not scheduler.ready
+
+
 def test_importing_the_scheduler_does_not_import_torch():
     code = "import sys, common.scheduler; print('torch' in sys.modules)"
     result = subprocess.run(
