@@ -1,6 +1,6 @@
 """The single-process engine behind the offline `LLM` API: prefill and decode in one loop.
-Its step is the whole story: schedule -> run the model -> update sequences -> report.
-(The decode node's `--colocated` mode runs the same Worker and Scheduler inside its own
+Its step is `EngineCore.step` (schedule -> run the model -> update sequences), reported per
+request. (The decode node's `--colocated` mode runs the same EngineCore inside its own
 event loop, which also speaks ZMQ.)
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.config import EngineConfig
+from common.engine_core import EngineCore
 from common.sampling_params import SamplingParams
 from common.scheduler import Scheduler
 from common.sequence import FinishReason, Sequence
@@ -29,6 +30,7 @@ class LLMEngine:
         self.config = config
         self.worker = Worker(config)
         self.scheduler = Scheduler(config.scheduler, self.worker.allocator)
+        self.core = EngineCore(self.worker, self.scheduler)
         self.sequences: dict[str, Sequence] = {}
 
     @property
@@ -50,30 +52,21 @@ class LLMEngine:
         return seq
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Sequence | None:
-        seq = self.scheduler.abort(request_id)
-        if seq is not None:
-            seq.finish_reason = reason
-        self._forget(request_id)
+        seq = self.core.abort(request_id, reason)
+        self.sequences.pop(request_id, None)
         return seq
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.core.has_work()
 
     def step(self) -> list[StepEvent]:
-        batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        sampled = self.worker.runner.execute(batch)
-        self.scheduler.update(batch, sampled)
         events = []
-        for item, token in zip(batch.items, sampled, strict=True):
-            if token is None:
-                continue
-            events.append(StepEvent(item.seq, [token.token_id], item.seq.is_finished))
-            if item.seq.is_finished:
-                self._forget(item.seq.request_id)
+        for out in self.core.step():
+            if out.error is not None:
+                raise out.error  # offline: a failing model step is the caller's error
+            for seq, token in out.new_tokens():
+                events.append(StepEvent(seq, [token.token_id], seq.is_finished))
+                if seq.is_finished:
+                    self.sequences.pop(seq.request_id, None)
+                    self.core.release(seq.request_id)
         return events
-
-    def _forget(self, request_id: str) -> None:
-        self.sequences.pop(request_id, None)
-        self.worker.runner.release(request_id)

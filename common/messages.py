@@ -5,6 +5,12 @@ Every message is a frozen dataclass registered by name; `encode` writes
 every field's type before building the dataclass, so a malformed or hostile frame raises
 `MessageError` instead of reaching node logic.
 
+Integer arrays (prompt token ids, block ids, a step's sampled tokens) are `IntArray` fields:
+1-D little-endian int32 numpy arrays that travel as one msgpack `bin` of their raw bytes.
+Encoding one is a memcpy and checking one on receipt is O(1) Python (its byte length); the
+receiver checks value ranges vectorised where they matter (`Worker.new_sequence`: the
+vocabulary). Received arrays are read-only views of the frame.
+
 Who sends what (see docs/architecture.md for the full lifecycle):
   router  -> prefill  PrefillRequest, Abort
   router  -> decode   DecodeRequest, Abort
@@ -19,31 +25,68 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NewType
 
 import msgpack
+import numpy as np
+
+INT_DTYPE = np.dtype("<i4")
+IntArray = NewType("IntArray", np.ndarray)  # 1-D little-endian int32; msgpack bin on the wire
+FINISH_REASONS = frozenset({"stop", "length", "abort", "error"})
 
 
 class MessageError(ValueError):
     pass
 
 
+def int_array(values: Any) -> np.ndarray:
+    """`values` (ints or an integer array) as a 1-D little-endian int32 array; no copy when it
+    already is one. MessageError for anything else, including values outside int32."""
+    if isinstance(values, np.ndarray) and values.dtype == INT_DTYPE and values.ndim == 1:
+        return values
+    try:
+        array = np.asarray(values)
+        if array.size == 0:
+            return np.zeros(0, dtype=INT_DTYPE)
+        if array.ndim != 1 or array.dtype.kind not in "iu":
+            raise TypeError(f"{array.ndim}-D {array.dtype}")
+        if array.dtype != INT_DTYPE and (array.min() < -(2**31) or array.max() >= 2**31):
+            raise OverflowError("value outside int32")
+        return array.astype(INT_DTYPE, copy=False)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise MessageError(f"not a 1-D array of int32 values: {exc}") from None
+
+
+def _coerce_arrays(message: Any, *names: str) -> None:
+    """Called by __post_init__: lists given by a local sender become IntArrays too, so every
+    reader sees one type whether the message was built here or decoded."""
+    for name in names:
+        object.__setattr__(message, name, int_array(getattr(message, name)))
+
+
 @dataclass(frozen=True)
 class PrefillRequest:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: IntArray
     sampling: dict[str, Any]  # SamplingParams fields
     decode_node: str  # control address of the decode node that reserved / will reserve blocks
     decode_kv_address: str  # where that decode node receives KV
+
+    def __post_init__(self) -> None:
+        _coerce_arrays(self, "prompt_token_ids")
 
 
 @dataclass(frozen=True)
 class DecodeRequest:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: IntArray
     sampling: dict[str, Any]
     prefill_node: str | None  # control address of the prefill node; None = prefill locally
+
+    def __post_init__(self) -> None:
+        _coerce_arrays(self, "prompt_token_ids")
 
 
 @dataclass(frozen=True)
@@ -55,7 +98,10 @@ class Abort:
 class Reservation:
     request_id: str
     decode_node: str
-    block_ids: list[int]
+    block_ids: IntArray
+
+    def __post_init__(self) -> None:
+        _coerce_arrays(self, "block_ids")
 
 
 @dataclass(frozen=True)
@@ -70,23 +116,69 @@ class FirstToken:
     timing: dict[str, float]  # durations in seconds measured by the prefill node
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TokenOutput:
+    """One request's share of a TokenBatch, as the router consumes it (not sent on its own)."""
+
     request_id: str
     token_ids: list[int]
     logprobs: list[float] | None
     top_logprobs: list[list[list[float]]] | None
     finished: bool
     finish_reason: str | None
-    timing: dict[str, float] | None  # decode-side durations, sent with the first and last output
+    timing: dict[str, float] | None  # decode-side durations, sent with the first output
 
 
 @dataclass(frozen=True)
 class TokenBatch:
-    outputs: list[dict[str, Any]]  # TokenOutput fields, one per request that advanced this step
+    """One decode step's new tokens, column-wise: row i is one token of `request_ids[i]`.
+
+    A request may own several rows (in order). Checking a batch costs O(1) Python for the
+    token ids and one C-speed pass over the ids and finish reasons.
+    """
+
+    request_ids: list[str]
+    token_ids: IntArray
+    finish_reasons: list[str | None]  # None: the request goes on; else one of FINISH_REASONS
+    logprobs: list[float | None] | None = None  # per row; None when no row asked
+    top_logprobs: list[list[list[float]] | None] | None = None  # per row: [[token, logprob]]
+    timing: dict[str, dict[str, float]] = field(default_factory=dict)  # by request id
+
+    def __post_init__(self) -> None:
+        _coerce_arrays(self, "token_ids")
+        n = len(self.request_ids)
+        lengths = {len(self.token_ids), len(self.finish_reasons)}
+        for column in (self.logprobs, self.top_logprobs):
+            if column is not None:
+                lengths.add(len(column))
+        if lengths != {n}:
+            raise MessageError(f"TokenBatch columns differ in length: {n} rows, {lengths}")
+        if not set(self.finish_reasons) <= FINISH_REASONS | {None}:
+            bad = set(self.finish_reasons) - FINISH_REASONS - {None}
+            raise MessageError(f"TokenBatch: unknown finish reasons {sorted(map(str, bad))}")
 
     def items(self) -> list[TokenOutput]:
-        return [from_fields(TokenOutput, o) for o in self.outputs]
+        ids, reasons = self.token_ids.tolist(), self.finish_reasons
+        lps = self.logprobs or [None] * len(ids)
+        tops = self.top_logprobs or [None] * len(ids)
+        out, reported = [], set()
+        for i, rid in enumerate(self.request_ids):
+            timing = None
+            if rid not in reported:  # the report goes with the request's first row only
+                reported.add(rid)
+                timing = self.timing.get(rid)
+            out.append(
+                TokenOutput(
+                    rid,
+                    [ids[i]],
+                    None if lps[i] is None else [lps[i]],
+                    None if tops[i] is None else [tops[i]],
+                    reasons[i] is not None,
+                    reasons[i],
+                    timing,
+                )
+            )
+        return out
 
 
 @dataclass(frozen=True)
@@ -121,10 +213,14 @@ Message = typing.Union[tuple(MESSAGES.values())]  # noqa: UP007
 
 
 def encode(message: Any) -> bytes:
-    name = type(message).__name__
-    if name not in MESSAGES:
-        raise MessageError(f"not a registered message: {name}")
-    return msgpack.packb({"type": name, **dataclasses.asdict(message)}, use_bin_type=True)
+    """One frame: a map of the message's fields (shallow: no dataclasses.asdict deep copy);
+    IntArrays go as the raw bytes of their int32 buffer."""
+    names = _field_names(type(message))
+    body: dict[str, Any] = {"type": type(message).__name__}
+    for name in names:
+        value = getattr(message, name)
+        body[name] = value.data if isinstance(value, np.ndarray) else value
+    return msgpack.packb(body, use_bin_type=True)
 
 
 def decode(frame: bytes) -> Any:
@@ -141,48 +237,98 @@ def decode(frame: bytes) -> Any:
 
 
 def from_fields(cls: type, raw: dict[str, Any]) -> Any:
-    hints = _hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(raw) - names
+    """Build `cls` from a decoded map, checking every field against its type hint; an IntArray
+    field takes a bytes value (its int32 buffer). MessageError for anything else."""
+    checks, required = _checks(cls)
+    unknown = raw.keys() - checks.keys()
     if unknown:
-        raise MessageError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
-    for f in dataclasses.fields(cls):
-        if f.name not in raw:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise MessageError(f"{cls.__name__}: missing field {f.name!r}")
-            continue
-        if not _matches(raw[f.name], hints[f.name]):
-            raise MessageError(f"{cls.__name__}.{f.name}: wrong type {type(raw[f.name]).__name__}")
-    return cls(**raw)
+        raise MessageError(f"{cls.__name__}: unknown fields {sorted(map(str, unknown))}")
+    missing = required - raw.keys()
+    if missing:
+        raise MessageError(f"{cls.__name__}: missing field {sorted(missing)[0]!r}")
+    for name, value in raw.items():
+        ok, converted = checks[name](value)
+        if not ok:
+            raise MessageError(f"{cls.__name__}.{name}: wrong type {type(value).__name__}")
+        raw[name] = converted
+    try:
+        return cls(**raw)
+    except MessageError as exc:
+        raise MessageError(f"{cls.__name__}: {exc}") from None
 
 
-_HINT_CACHE: dict[type, dict[str, Any]] = {}
+# -- per-class field checks, built once from the type hints ----------------------------------
+
+Check = Callable[[Any], tuple[bool, Any]]
+_CHECKS: dict[type, tuple[dict[str, Check], frozenset[str]]] = {}
+_NAMES: dict[type, tuple[str, ...]] = {}
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    if cls not in _HINT_CACHE:
-        _HINT_CACHE[cls] = typing.get_type_hints(cls)
-    return _HINT_CACHE[cls]
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _NAMES.get(cls)
+    if names is None:
+        if MESSAGES.get(cls.__name__) is not cls:
+            raise MessageError(f"not a registered message: {cls.__name__}")
+        names = _NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
 
 
-def _matches(value: Any, hint: Any) -> bool:
+def _checks(cls: type) -> tuple[dict[str, Check], frozenset[str]]:
+    if cls not in _CHECKS:
+        hints = typing.get_type_hints(cls)
+        fields = dataclasses.fields(cls)
+        required = frozenset(
+            f.name
+            for f in fields
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        )
+        _CHECKS[cls] = ({f.name: _check_for(hints[f.name]) for f in fields}, required)
+    return _CHECKS[cls]
+
+
+def _check_bytes_array(value: Any) -> tuple[bool, Any]:
+    if not isinstance(value, bytes) or len(value) % INT_DTYPE.itemsize:
+        return False, value
+    return True, np.frombuffer(value, dtype=INT_DTYPE)
+
+
+def _check_for(hint: Any) -> Check:
+    if hint is IntArray:
+        return _check_bytes_array
+    test = _predicate(hint)
+    return lambda value: (test(value), value)
+
+
+def _predicate(hint: Any) -> Callable[[Any], bool]:
+    """A fast type test for `hint`, built once per field (typing introspection stays here)."""
     origin = typing.get_origin(hint)
     if hint is Any:
-        return True
+        return lambda v: True
     if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
+        args = typing.get_args(hint)
+        if type(None) in args:
+            rest = _predicate(typing.Union[tuple(a for a in args if a is not type(None))])  # noqa: UP007
+            return lambda v: v is None or rest(v)
+        tests = [_predicate(a) for a in args]
+        return lambda v: any(t(v) for t in tests)
     if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return lambda v: (type(v) is float) or (isinstance(v, int) and not isinstance(v, bool))
     if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return lambda v: isinstance(v, int) and not isinstance(v, bool)
+    if hint is str:
+        return lambda v: type(v) is str
+    if hint is bool:
+        return lambda v: type(v) is bool
     if origin is list:
         (item,) = typing.get_args(hint)
-        return isinstance(value, list) and all(_matches(v, item) for v in value)
+        test = _predicate(item)
+        return lambda v: type(v) is list and all(map(test, v))
     if origin is dict:
         key, val = typing.get_args(hint)
-        return isinstance(value, dict) and all(
-            _matches(k, key) and _matches(v, val) for k, v in value.items()
+        test_key, test_val = _predicate(key), _predicate(val)
+        if val is Any:
+            return lambda v: type(v) is dict and all(map(test_key, v))
+        return lambda v: (
+            type(v) is dict and all(map(test_key, v)) and all(map(test_val, v.values()))
         )
-    return isinstance(value, hint)
+    return lambda v: isinstance(v, hint)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from common.attention import create_backend
@@ -120,22 +122,32 @@ class Worker:
         )
         log.info("worker ready: %s", self.runtime)
 
-    def new_sequence(self, request_id: str, prompt: list[int], params: SamplingParams) -> Sequence:
+    def new_sequence(self, request_id: str, prompt: Any, params: SamplingParams) -> Sequence:
         """A validated Sequence for this process: ValueError (with the offending values) for an
-        empty prompt, a token outside the vocabulary, or a prompt at or past the context limit."""
+        empty prompt, a token outside the vocabulary, or a prompt at or past the context limit.
+        `prompt` is a list of ints or an integer array (a received IntArray); the range check is
+        vectorised."""
         rt = self.runtime
-        if not prompt:
+        try:
+            ids = np.asarray(prompt)
+        except (TypeError, ValueError, OverflowError):
+            ids = np.zeros((0, 0))
+        if ids.size == 0 and ids.ndim == 1:
             raise ValueError("the prompt is empty")
-        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < rt.vocab_size]
-        if bad:
-            raise ValueError(f"token ids out of vocabulary [0, {rt.vocab_size}): {bad[:5]}")
-        if len(prompt) >= rt.max_model_len:
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise ValueError("token ids must be a flat list of integers")
+        bad = ids[(ids < 0) | (ids >= rt.vocab_size)]
+        if bad.size:
             raise ValueError(
-                f"prompt has {len(prompt)} tokens; the context limit is {rt.max_model_len}"
+                f"token ids out of vocabulary [0, {rt.vocab_size}): {bad[:5].tolist()}"
+            )
+        if len(ids) >= rt.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; the context limit is {rt.max_model_len}"
             )
         return Sequence(
             request_id,
-            list(prompt),
+            ids.tolist(),
             params,
             frozenset(rt.eos_token_ids),
             max_model_len=rt.max_model_len,

@@ -8,11 +8,12 @@ import time
 from dataclasses import dataclass, field
 
 from common.config import EngineConfig
+from common.engine_core import EngineCore
 from common.messages import Abort, DecodeRequest, RequestError, Reservation, TokenBatch
 from common.node_channel import HOST_ID, NodeChannel, runtime_info
 from common.node_config import NodeConfig
 from common.sampling_params import SamplingParams
-from common.scheduler import Scheduler
+from common.scheduler import SampledToken, ScheduledBatch, Scheduler
 from common.sequence import Sequence, SequenceStatus
 from common.worker import Worker
 from decode_node.reservations import PendingDecode, ReservationQueue
@@ -56,6 +57,7 @@ class DecodeNode:
         self.colocated = node_config.colocated
         self.worker = Worker(engine_config)
         self.scheduler = Scheduler(engine_config.scheduler, self.worker.allocator)
+        self.core = EngineCore(self.worker, self.scheduler)
         self.reservations = ReservationQueue(self.worker.allocator)
         self.receiver = None
         extra = {}
@@ -93,7 +95,7 @@ class DecodeNode:
         self._stopping = True
 
     def step(self) -> None:
-        busy = self.scheduler.has_work()
+        busy = self.core.has_work()
         # Idle, the wait goes to the socket that matters next: the KV receiver while transfers
         # are in flight (their completion is on the path to the second token), else the inbox.
         awaiting_kv = bool(self.reservations.reserved or self.quarantined)
@@ -105,7 +107,7 @@ class DecodeNode:
             kv_wait = 0.001 if awaiting_kv and not busy else 0.0
             for transfer in self.receiver.poll(timeout_s=kv_wait):
                 self._transfer_ended(transfer)
-        if self.scheduler.has_work():
+        if self.core.has_work():
             self._decode_step()
         self.channel.publish_load(self._load)
 
@@ -190,59 +192,59 @@ class DecodeNode:
 
     # -- decoding ---------------------------------------------------------------------------
     def _decode_step(self) -> None:
-        batch = self.scheduler.schedule()
-        if not batch:
-            return
+        for out in self.core.step(before_launch=self._mark_first_step):
+            if out.error is not None:
+                for item in out.batch.items:
+                    rid = item.seq.request_id
+                    self._abort(rid)
+                    self.channel.to_router(RequestError(rid, f"decode failed: {out.error}", 500))
+                continue
+            rows = out.new_tokens()
+            if rows:
+                self.channel.to_router(self._token_batch(rows))
+
+    def _mark_first_step(self, batch: ScheduledBatch) -> None:
         now = time.monotonic()
         for item in batch.items:
             timing = self.timings.get(item.seq.request_id)
             if timing is not None and timing.first_step_at is None:
                 timing.first_step_at = now
-        try:
-            sampled = self.worker.runner.execute(batch)
-        except Exception as exc:  # a failed step fails its requests, not the node
-            log.exception("decode step failed")
-            for item in batch.items:
-                self._abort(item.seq.request_id)
-                self.channel.to_router(
-                    RequestError(item.seq.request_id, f"decode failed: {exc}", 500)
-                )
-            return
-        self.scheduler.update(batch, sampled)
-        outputs = []
-        for item, token in zip(batch.items, sampled, strict=True):
-            if token is not None:
-                outputs.append(self._output(item.seq, token))
-        if outputs:
-            self.channel.to_router(TokenBatch(outputs))
 
-    def _output(self, seq: Sequence, token) -> dict:
-        rid = seq.request_id
+    def _token_batch(self, rows: list[tuple[Sequence, SampledToken]]) -> TokenBatch:
+        """One step's outputs, column-wise; the first output of a request carries its timing."""
+        ids, tokens, reasons, timing = [], [], [], {}
+        logprobs: list[float | None] | None = None
+        tops: list | None = None
+        for i, (seq, token) in enumerate(rows):
+            rid = seq.request_id
+            ids.append(rid)
+            tokens.append(token.token_id)
+            report = self._first_report(rid)
+            if report is not None:
+                timing[rid] = report
+            finished = seq.status is SequenceStatus.FINISHED
+            reasons.append(seq.finish_reason.value if finished and seq.finish_reason else None)
+            if finished:
+                self._end(rid)
+            if token.logprob is not None:
+                logprobs = logprobs or [None] * len(rows)
+                logprobs[i] = token.logprob
+            if token.top_logprobs is not None:
+                tops = tops or [None] * len(rows)
+                tops[i] = [[t, lp] for t, lp in token.top_logprobs]
+        return TokenBatch(ids, tokens, reasons, logprobs, tops, timing)
+
+    def _first_report(self, rid: str) -> dict[str, float] | None:
         timing = self.timings.get(rid)
-        report = None
-        if timing is not None and not timing.sent_first:
-            timing.sent_first = True
-            report = timing.first_report()
-            if self.colocated:
-                report["prefill_queue"] = (
-                    timing.first_step_at or timing.arrived_at
-                ) - timing.arrived_at
-                report["prefill_compute"] = time.monotonic() - (
-                    timing.first_step_at or timing.arrived_at
-                )
-        finished = seq.status is SequenceStatus.FINISHED
-        if finished:
-            self._end(rid)
-        top = token.top_logprobs
-        return {
-            "request_id": rid,
-            "token_ids": [token.token_id],
-            "logprobs": [token.logprob] if token.logprob is not None else None,
-            "top_logprobs": [[[t, lp] for t, lp in top]] if top is not None else None,
-            "finished": finished,
-            "finish_reason": seq.finish_reason.value if finished and seq.finish_reason else None,
-            "timing": report,
-        }
+        if timing is None or timing.sent_first:
+            return None
+        timing.sent_first = True
+        report = timing.first_report()
+        if self.colocated:
+            start = timing.first_step_at or timing.arrived_at
+            report["prefill_queue"] = start - timing.arrived_at
+            report["prefill_compute"] = time.monotonic() - start
+        return report
 
     # -- endings ----------------------------------------------------------------------------
     def _abort(self, request_id: str) -> None:
@@ -253,12 +255,12 @@ class DecodeNode:
             self.quarantined[request_id] = self.reservations.take(request_id)
         else:
             self.reservations.release(request_id)
-        self.scheduler.abort(request_id)  # frees the blocks of a running/waiting sequence
+        self.core.abort(request_id)  # frees the blocks of a running/waiting sequence
         self._end(request_id)
 
     def _end(self, request_id: str) -> None:
         self.timings.pop(request_id, None)
-        self.worker.runner.release(request_id)
+        self.core.release(request_id)
 
     def _load(self) -> dict[str, int]:
         stats = self.worker.allocator.stats()

@@ -9,6 +9,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from common.config import EngineConfig
+from common.engine_core import EngineCore, LayerHook
 from common.messages import (
     Abort,
     FirstToken,
@@ -19,7 +20,7 @@ from common.messages import (
 from common.node_channel import HOST_ID, NodeChannel, runtime_info
 from common.node_config import NodeConfig
 from common.sampling_params import SamplingParams
-from common.scheduler import Scheduler
+from common.scheduler import ScheduledBatch, Scheduler
 from common.sequence import Sequence
 from common.worker import Worker
 from kv_transfer import TransferConfig, TransferState, create_sender
@@ -50,6 +51,7 @@ class PrefillNode:
         self.scheduler = Scheduler(
             engine_config.scheduler, self.worker.allocator, prefill_only=True
         )
+        self.core = EngineCore(self.worker, self.scheduler)
         self.sender = create_sender(
             TransferConfig(
                 transport=node_config.transport,
@@ -91,13 +93,13 @@ class PrefillNode:
         # (queued frames, completion notices) only when called, and their completion is on
         # the path to the decode node's next token.
         wait = IDLE_WAIT_S
-        if self.scheduler.has_work():
+        if self.core.has_work():
             wait = 0.0
         elif any(job.transferring for job in self.jobs.values()):
             wait = TRANSFER_WAIT_S
         for message in self.channel.receive(timeout_s=wait):
             self.handle(message)
-        if self.scheduler.has_work():
+        if self.core.has_work():
             self._run_batch()
         self._reap_transfers()
         self.channel.publish_load(self._load)
@@ -112,7 +114,7 @@ class PrefillNode:
             self._maybe_start(job)
         elif isinstance(message, Reservation):
             job = self.jobs.setdefault(message.request_id, PrefillJob(message.request_id))
-            job.reserved_blocks = message.block_ids
+            job.reserved_blocks = message.block_ids.tolist()
             self._maybe_start(job)
         elif isinstance(message, Abort):
             self._abort(message.request_id)
@@ -139,9 +141,17 @@ class PrefillNode:
         job.seq = seq
 
     def _run_batch(self) -> None:
-        batch = self.scheduler.schedule()
-        if not batch:
-            return
+        for out in self.core.step(before_launch=self._before_launch):
+            if out.error is not None:
+                for item in out.batch.items:
+                    self._fail(item.seq.request_id, f"prefill failed: {out.error}", 500)
+                continue
+            for seq in out.finished:
+                self._first_token_ready(seq)
+
+    def _before_launch(self, batch: ScheduledBatch) -> LayerHook | None:
+        """Stamp first-scheduled times; begin the transfers of prompts that end in this step and
+        return the hook that ships each layer once it is written."""
         now = time.monotonic()
         for item in batch.items:
             job = self.jobs.get(item.seq.request_id)
@@ -153,27 +163,17 @@ class PrefillNode:
         # token instead, in one copy (_first_token_ready): per-layer sends cost host time
         # that its short compute cannot hide.
         shipping = [item.seq.request_id for item in batch.items if item.samples]
-        if batch.num_tokens < self._stream_min_tokens:
-            shipping = []
+        if batch.num_tokens < self._stream_min_tokens or not shipping:
+            return None
         for rid in shipping:
             self._begin_transfer(self.jobs[rid])
-        hook = None
-        if shipping:
 
-            def hook(layer: int) -> None:
-                for rid in shipping:
-                    self.sender.send_layer(rid, layer)
-                self.channel.publish_load(self._load)  # live load during a long step
+        def hook(layer: int) -> None:
+            for rid in shipping:
+                self.sender.send_layer(rid, layer)
+            self.channel.publish_load(self._load)  # live load during a long step
 
-        try:
-            sampled = self.worker.runner.execute(batch, on_layer_done=hook)
-        except Exception as exc:  # a failed step fails its requests, not the node
-            log.exception("prefill step failed")
-            for item in batch.items:
-                self._fail(item.seq.request_id, f"prefill failed: {exc}", 500)
-            return
-        for seq in self.scheduler.update(batch, sampled):
-            self._first_token_ready(seq)
+        return hook
 
     def _begin_transfer(self, job: PrefillJob) -> None:
         seq, req = job.seq, job.request
@@ -185,7 +185,7 @@ class PrefillNode:
     def _first_token_ready(self, seq: Sequence) -> None:
         job = self.jobs[seq.request_id]
         job.first_token_at = time.monotonic()
-        self.worker.runner.release(seq.request_id)
+        self.core.release(seq.request_id)
         token = seq.output_token_ids[0]
         logprob = seq.output_logprobs[0] if seq.output_logprobs else None
         top = seq.output_top_logprobs[0] if seq.output_top_logprobs else None
@@ -263,7 +263,7 @@ class PrefillNode:
         self._ended[job.request_id] = None
         while len(self._ended) > ENDED_MEMORY:
             self._ended.popitem(last=False)
-        self.worker.runner.release(job.request_id)
+        self.core.release(job.request_id)
         seq = job.seq
         if seq is None:
             return

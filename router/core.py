@@ -9,14 +9,20 @@ queue; `abort` tells every node of the route to drop it; `release` forgets it.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from common.messages import Abort, DecodeRequest, FirstToken, Heartbeat, PrefillRequest
+from common.messages import (
+    Abort,
+    DecodeRequest,
+    FirstToken,
+    Heartbeat,
+    PrefillRequest,
+    int_array,
+)
 from router.config import RouterConfig
 from router.errors import OpenAIError
 from router.events import EventRouter, RequestEvent
@@ -130,8 +136,8 @@ class RouterCore:
     ) -> asyncio.Queue[RequestEvent]:
         """Send the request to its nodes and open its event queue; a send failure is a 503."""
         assert self.link is not None, "route() refuses to run before the link exists"
-        ids = prepared.prompt_token_ids
-        sampling = dataclasses.asdict(prepared.params)
+        ids = int_array(prepared.prompt_token_ids)  # converted once, sent as raw int32 bytes
+        sampling = dict(vars(prepared.params))  # flat: no deep copy
         queue = self.events.open(request_id, route.nodes)
         try:
             self.link.send(route.decode, DecodeRequest(request_id, ids, sampling, route.prefill))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
 from common.messages import (
@@ -18,7 +17,6 @@ from common.messages import (
     Heartbeat,
     PrefillRequest,
     TokenBatch,
-    TokenOutput,
 )
 from router.node_link import SendError
 
@@ -118,16 +116,16 @@ def generation_script(
             timing = None
             if i == (1 if pd else 0):
                 timing = {**(decode_timing or {}), **({} if pd else (prefill_timing or {}))}
-            output = TokenOutput(
-                request_id=message.request_id,
-                token_ids=[token],
-                logprobs=None if logprob is None else [logprob],
-                top_logprobs=None if top is None else [top],
-                finished=last,
-                finish_reason=done,
-                timing=timing,
+            events.append(
+                TokenBatch(
+                    [message.request_id],
+                    [token],
+                    [done],
+                    None if logprob is None else [logprob],
+                    None if top is None else [top],
+                    {} if timing is None else {message.request_id: timing},
+                )
             )
-            events.append(TokenBatch([asdict(output)]))
         return events
 
     return script

@@ -138,7 +138,7 @@ def test_pd_dispatch_sends_decode_then_prefill_request_with_sampling_fields(make
     assert isinstance(decode, DecodeRequest) and decode.prefill_node == P
     assert isinstance(prefill, PrefillRequest)
     assert (prefill.decode_node, prefill.decode_kv_address) == (D, f"{D}/kv")
-    assert decode.prompt_token_ids == prefill.prompt_token_ids == [5, 6, 7]
+    assert decode.prompt_token_ids.tolist() == prefill.prompt_token_ids.tolist() == [5, 6, 7]
     expected = {k: v for k, v in request.items() if k != "prompt"} | {"stop": ["zz"]}
     assert {k: prefill.sampling[k] for k in expected} == expected
     assert prefill.sampling == decode.sampling
@@ -158,7 +158,7 @@ def test_completion_accepts_token_ids_and_one_element_prompt_lists(make, answer_
             body["object"] == "text_completion" and body["choices"][0]["finish_reason"] == "length"
         )
         assert body["usage"]["completion_tokens"] == 3
-    sent = [m.prompt_token_ids for _, m in link.sent_of(PrefillRequest)]
+    sent = [m.prompt_token_ids.tolist() for _, m in link.sent_of(PrefillRequest)]
     assert sent[0] == sent[1] == [11, 12]
 
 
@@ -462,8 +462,7 @@ def test_client_disconnect_during_a_non_streaming_request_aborts_both_nodes(make
 def test_events_after_the_end_of_a_request_are_ignored(make, answer_ids):
     app, core, _ = make(generation_script(answer_ids))
     rid = post(app, TEXT, {"prompt": "x", "max_tokens": 2}).json()["id"]
-    late = TokenBatch([{"request_id": rid, "token_ids": [1], "logprobs": None, "top_logprobs": None,
-                        "finished": True, "finish_reason": "stop", "timing": None}])  # fmt: skip
+    late = TokenBatch([rid], [1], ["stop"])
     core.on_message(late)
     assert len(core.events) == 0
 

@@ -4,22 +4,25 @@ from __future__ import annotations
 
 import asyncio
 
+import msgpack
 import pytest
 
-from common.messages import FirstToken, Heartbeat, RequestError, TokenBatch, TokenOutput
+from common.messages import (
+    FirstToken,
+    Heartbeat,
+    MessageError,
+    RequestError,
+    TokenBatch,
+    TokenOutput,
+    decode,
+    encode,
+)
 from router.events import EventRouter, NodeLost
 
 
-def output(request_id: str, tokens: list[int], finished: bool = False) -> dict:
-    return {
-        "request_id": request_id,
-        "token_ids": tokens,
-        "logprobs": None,
-        "top_logprobs": None,
-        "finished": finished,
-        "finish_reason": "stop" if finished else None,
-        "timing": None,
-    }
+def batch(*rows: tuple[str, int, str | None]) -> TokenBatch:
+    """A TokenBatch of (request id, token, finish reason) rows."""
+    return TokenBatch([r for r, _, _ in rows], [t for _, t, _ in rows], [f for _, _, f in rows])
 
 
 def drain(queue: asyncio.Queue) -> list:
@@ -42,9 +45,9 @@ def test_events_reach_only_their_request():
 def test_a_token_batch_is_split_per_request():
     router = EventRouter()
     qa, qb = router.open("a", ["d"]), router.open("b", ["d"])
-    batch = TokenBatch([output("a", [1, 2]), output("b", [3], finished=True), output("x", [4])])
-    assert router.deliver(batch) == 2
-    assert [o.token_ids for o in drain(qa)] == [[1, 2]]
+    tokens = batch(("a", 1, None), ("b", 3, "stop"), ("a", 2, None), ("x", 4, None))
+    assert router.deliver(tokens) == 3
+    assert [o.token_ids for o in drain(qa)] == [[1], [2]]
     (b_out,) = drain(qb)
     assert isinstance(b_out, TokenOutput) and b_out.finished
 
@@ -53,17 +56,23 @@ def test_events_for_unknown_or_closed_requests_are_dropped():
     router = EventRouter()
     queue = router.open("a", ["d"])
     router.close("a")
-    assert router.deliver(TokenBatch([output("a", [1])])) == 0
+    assert router.deliver(batch(("a", 1, None))) == 0
     assert router.deliver(RequestError("never-seen", "x", 500)) == 0
     assert drain(queue) == []
 
 
-def test_a_malformed_output_does_not_hide_the_others():
-    router = EventRouter()
-    queue = router.open("a", ["d"])
-    bad = {**output("b", [1]), "token_ids": "nope"}
-    assert router.deliver(TokenBatch([bad, output("a", [5])])) == 1
-    assert [o.token_ids for o in drain(queue)] == [[5]]
+def test_a_malformed_token_batch_is_refused_whole_on_receipt():
+    frame = encode(batch(("a", 5, None)))
+    raw = msgpack.unpackb(frame)
+    for field, value in [
+        ("token_ids", b"\x01\x02\x03"),  # not a whole number of int32s
+        ("token_ids", [5]),  # a list, not the int32 bytes
+        ("finish_reasons", ["tired"]),
+        ("request_ids", ["a", "b"]),  # columns of different lengths
+        ("request_ids", [7]),
+    ]:
+        with pytest.raises(MessageError):
+            decode(msgpack.packb({**raw, field: value}, use_bin_type=True))
 
 
 def test_heartbeats_are_not_request_events():
