@@ -15,7 +15,7 @@ from common.attention import AttentionBackend, AttentionMetadata, ForwardContext
 from common.cuda_graphs import DecodeGraphs
 from common.kv_cache import KVCache
 from common.models.llama import LlamaForCausalLM
-from common.sampler import Sampler, SamplingInputs, make_generator, skip_draws
+from common.sampler import Sampler, SamplingInputs, to_host
 from common.scheduler import SampledToken, ScheduledBatch
 from common.sequence import Sequence
 
@@ -55,10 +55,9 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.block_size
         self.scale = model.spec.head_dim**-0.5
-        self.sampler = Sampler()
+        self.sampler = Sampler(model.spec.vocab_size, device)
         self.eos_token_ids = list(model.spec.eos_token_ids)
         self.graphs: DecodeGraphs | None = None
-        self._generators: dict[str, torch.Generator | None] = {}
         self._k_caches = kv_cache.k_caches
         self._v_caches = kv_cache.v_caches
 
@@ -70,15 +69,8 @@ class ModelRunner:
         return self.graphs.capture()
 
     def release(self, request_id: str) -> None:
-        """Forget per-request state (its seeded generator) once the request has ended."""
-        self._generators.pop(request_id, None)
-
-    def resume_request(self, request_id: str, seed: int | None, sampled_elsewhere: int) -> None:
-        """Set up a seeded request whose first tokens were sampled by another process."""
-        generator = make_generator(seed, self.device)
-        if generator is not None:
-            skip_draws(generator, self.model.spec.vocab_size, self.device, sampled_elsewhere)
-        self._generators[request_id] = generator
+        """Forget per-request sampler state (noise key, token counts) once it has ended."""
+        self.sampler.release(request_id)
 
     def host_inputs(self, batch: ScheduledBatch) -> HostInputs:
         bs = self.block_size
@@ -162,10 +154,11 @@ class ModelRunner:
             params=[s.params for s in seqs],
             prompt_token_ids=[s.prompt_token_ids for s in seqs],
             output_token_ids=[s.output_token_ids for s in seqs],
-            generators=[self._generator(s.request_id, s.params.seed) for s in seqs],
             eos_token_ids=[self.eos_token_ids] * len(seqs),
+            request_ids=[s.request_id for s in seqs],
         )
-        out = self.sampler(logits, inputs)
+        plan = self.sampler.plan(inputs, tuple(logits.shape))
+        out = to_host(self.sampler.sample(logits, plan), plan)
         return [
             SampledToken(
                 token_id=out.token_ids[i],
@@ -174,8 +167,3 @@ class ModelRunner:
             )
             for i in range(len(seqs))
         ]
-
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
-        if request_id not in self._generators:
-            self._generators[request_id] = make_generator(seed, self.device)
-        return self._generators[request_id]

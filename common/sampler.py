@@ -1,27 +1,33 @@
-"""Batched, on-device token sampling: one token per row of a [B, V] logits tensor.
+"""Batched, on-device token sampling: one token per row of a [R, V] logits tensor.
 
-Steps, in order, on float32 copies on the logits' device, with no Python loop over the vocabulary:
+`Sampler.plan` (host) turns one step's rows into a few small device tensors; `Sampler.sample`
+(device) then runs with no host sync and no Python loop over rows or the vocabulary:
 
-1. logprobs (when some row asks) from log_softmax of the raw logits, as vLLM does by default;
-2. repetition, frequency and presence penalties, and the min_tokens mask (`apply_penalties`);
-3. greedy rows take the argmax here and skip the rest;
-4. temperature, then top-k, top-p and min-p, each only when some row uses it;
-5. one draw per row by the exponential race: argmax(probs / q) with q ~ Exponential(1).
-
-Seeded requests draw q from their own `torch.Generator`, so their tokens depend only on their seed
-and history, never on which other requests share the batch.
+1. logprobs, only for the rows that ask, from log_softmax of the raw logits (vLLM's default);
+2. repetition, frequency and presence penalties from on-device token counts (`TokenCounts`,
+   one row per request that uses them, updated on the device with every sampled token), and
+   the min_tokens mask;
+3. greedy rows take the argmax;
+4. the other rows: temperature, then top-k (`topk` threshold), top-p (exact bisection on the
+   float bits, no sort) and min-p, each only when some row uses it;
+5. one draw per row by the exponential race, the noise a hash of (request key, draw index,
+   token): every seeded row in one launch, independent of its batch neighbours, and the
+   decode node continues a request the prefill node started bit-exactly (`sampling_ops`).
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from common import sampling_ops as ops
 from common.sampling_params import SamplingParams
+from common.token_counts import TokenCounts
 
-_NEG_INF = float("-inf")
+_SEED_SOURCE = random.SystemRandom()
 
 
 @dataclass
@@ -29,230 +35,266 @@ class SamplingInputs:
     """Per-row inputs for one sampling call; row i lines up with logits row i.
 
     Token ids must be < V (the logits' width), except EOS and stop ids: those >= V can never be
-    sampled, so they are skipped by the min_tokens mask.
+    sampled, so they are skipped by the min_tokens mask. `output_token_ids[i]` may end in
+    placeholders of tokens not yet on the host (overlapped decoding): only its length is read
+    after the request's first sampling.
     """
 
     params: list[SamplingParams]
-    prompt_token_ids: list[Sequence[int]]  # read by repetition_penalty
-    output_token_ids: list[Sequence[int]]  # read by all three penalties and by min_tokens
-    # Per-request generator (None = default RNG), on the logits' device. The caller owns it and
-    # keeps it across steps; each non-greedy step advances it by exactly one draw of V values.
-    generators: list[torch.Generator | None]
-    # Masked with stop_token_ids while len(output) < min_tokens; ignore_eos leaves EOS unmasked.
-    eos_token_ids: list[Sequence[int]]
+    prompt_token_ids: list[Sequence[int]]  # read once per request, by repetition_penalty
+    output_token_ids: list[Sequence[int]]  # its length is the draw index; read once (penalties)
+    eos_token_ids: list[Sequence[int]]  # masked with stop ids while len(output) < min_tokens
+    # Who owns each row's sampler state (noise key, token counts); None: state for this call
+    # only. The caller calls `Sampler.release` once a request has ended.
+    request_ids: list[str] | None = None
+
+
+@dataclass
+class SamplingPlan:
+    """One step's rows as device tensors (built on the host by `Sampler.plan`)."""
+
+    num_rows: int
+    greedy_only: bool = True  # every row greedy, nothing else to apply: just the argmax
+    logprob_rows: list[int] | None = None  # rows that asked for logprobs (host)
+    logprob_index: torch.Tensor | None = None  # the same rows, on the device
+    num_top: int = 0  # most top logprobs any row asked for
+    top_counts: list[int] | None = None  # per logprob row: how many top logprobs it asked for
+    penalty_rows: torch.Tensor | None = None
+    penalty_slots: torch.Tensor | None = None
+    penalties: torch.Tensor | None = None  # [P, 3] repetition, frequency, presence
+    blocked: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids): min_tokens
+    sampled_rows: torch.Tensor | None = None  # non-greedy rows
+    sampled_all: bool = False  # every row is non-greedy
+    filters: torch.Tensor | None = None  # [S, 3] temperature, top_p, min_p
+    top_k: torch.Tensor | None = None  # [S] int64
+    k_max: int = 0  # 0: no row uses top-k
+    uses_top_p: bool = False
+    uses_min_p: bool = False
+    row_keys: torch.Tensor | None = None  # [S] int64 noise keys
+    ephemeral: tuple[str, ...] = ()  # request ids whose state ends with this call
+
+
+@dataclass
+class SampledRows:
+    """What `Sampler.sample` left on the device for one step."""
+
+    token_ids: torch.Tensor  # [R] int64
+    # [L, 1 + 2 * num_top] float32 per logprob row: sampled logprob, top ids, top logprobs
+    logprobs: torch.Tensor | None
 
 
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    # Raw-logit logprob of each row's sampled token; None when no row asked for logprobs.
-    logprobs: list[float] | None
+    # Raw-logit logprob of each row's sampled token; None for rows that did not ask, and None as
+    # a whole when no row asked.
+    logprobs: list[float | None] | None
     # Per row: the N best (token, logprob), best first, when params.logprobs=N (N=0 -> []);
     # None for rows that did not ask. The whole field is None when no row asked.
     top_logprobs: list[list[tuple[int, float]] | None] | None
 
 
-def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
-    """A generator seeded with `seed` on `device`, or None (use the default RNG) when unseeded."""
-    if seed is None:
-        return None
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
-
-
 class Sampler:
-    """Stateless, so one instance can serve every batch; randomness state lives in the inputs."""
+    """Holds per-request sampler state (noise keys, token-count rows) on one device."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size, self.device = vocab_size, device
+        self.salts = ops.token_salts(vocab_size, device)
+        self.counts = TokenCounts(vocab_size, device)
+        self._keys: dict[str, int] = {}
+        self._ephemeral = 0
+
+    def release(self, request_id: str) -> None:
+        self._keys.pop(request_id, None)
+        self.counts.release(request_id)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
+        """Plan, sample and read back in one go (tests, simple callers). Leaves `logits` as is."""
+        plan = self.plan(inputs, logits.shape)
+        out = self.sample(logits.clone(), plan)
+        return to_host(out, plan)
+
+    # -- host: one step's plan ----------------------------------------------------------------
+    def plan(self, inputs: SamplingInputs, shape: tuple[int, ...] | None = None) -> SamplingPlan:
         params = inputs.params
-        if all(
-            p.greedy and p.logprobs is None and not p.uses_penalties and p.min_tokens == 0
-            for p in params
-        ):
-            _check_rows(logits, inputs)
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), None, None)  # plain greedy
-        wants_logprobs = any(p.logprobs is not None for p in params)
-        raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if wants_logprobs else None
-
-        logits = apply_penalties(logits, inputs)
-        token_ids = logits.argmax(dim=-1)  # final for greedy rows; sampled rows are overwritten
+        rows = len(params)
+        _check_rows(inputs, shape)
+        ids = inputs.request_ids
+        ephemeral = []
+        if ids is None:
+            ids = [f"\0call-{self._ephemeral}-{i}" for i in range(rows)]
+            self._ephemeral += 1
+            ephemeral = ids
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        blocked = self._blocked(inputs)
+        pen_rows = [i for i, p in enumerate(params) if p.uses_penalties]
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if sampled:
-            if len(sampled) == len(params):
-                token_ids = _sample(logits, params, inputs.generators)
-            else:
-                rows = torch.tensor(sampled, device=logits.device)
-                token_ids[rows] = _sample(
-                    logits[rows],
-                    [params[i] for i in sampled],
-                    [inputs.generators[i] for i in sampled],
+        plan = SamplingPlan(rows, not (lp_rows or blocked or pen_rows or sampled))
+        plan.ephemeral, plan.sampled_all = tuple(ephemeral), len(sampled) == rows
+        if lp_rows:
+            plan.logprob_rows, plan.logprob_index = lp_rows, self._ints(lp_rows)
+            plan.top_counts = [params[i].logprobs for i in lp_rows]
+            plan.num_top = min(max(plan.top_counts), self.vocab_size)
+        if blocked:
+            plan.blocked = (self._ints(blocked[0]), self._ints(blocked[1]))
+        if pen_rows:
+            slots = [
+                self.counts.slot(
+                    ids[i], inputs.prompt_token_ids[i], inputs.output_token_ids[i], params[i]
                 )
+                for i in pen_rows
+            ]
+            plan.penalty_rows, plan.penalty_slots = self._ints(pen_rows), self._ints(slots)
+            plan.penalties = self._floats(
+                [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty]
+                 for p in (params[i] for i in pen_rows)]
+            )  # fmt: skip
+        if sampled:
+            self._plan_sampled(plan, inputs, ids, sampled)
+        return plan
 
-        if raw_logprobs is None:
-            return SamplerOutput(token_ids.tolist(), None, None)
-        logprobs, top_logprobs = _gather_logprobs(raw_logprobs, token_ids, params)
-        return SamplerOutput(token_ids.tolist(), logprobs, top_logprobs)
+    def _plan_sampled(
+        self, plan: SamplingPlan, inputs: SamplingInputs, ids: list[str], rows: list[int]
+    ) -> None:
+        params = [inputs.params[i] for i in rows]
+        plan.sampled_rows = self._ints(rows)
+        plan.filters = self._floats([[p.temperature, p.top_p, p.min_p] for p in params])
+        plan.k_max = max((p.top_k for p in params if 0 < p.top_k < self.vocab_size), default=0)
+        if plan.k_max:
+            plan.top_k = self._ints([p.top_k for p in params])
+        plan.uses_top_p = any(p.top_p < 1.0 for p in params)
+        plan.uses_min_p = any(p.min_p > 0.0 for p in params)
+        keys = []
+        for i, p in zip(rows, params, strict=True):
+            key = self._keys.get(ids[i])
+            if key is None:
+                key = self._keys[ids[i]] = (
+                    p.seed if p.seed is not None else _SEED_SOURCE.getrandbits(63)
+                )
+            keys.append(ops.draw_key(key, len(inputs.output_token_ids[i])))
+        plan.row_keys = self._ints(keys)
 
+    def _blocked(self, inputs: SamplingInputs) -> tuple[list[int], list[int]] | None:
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, (p, output, eos) in enumerate(
+            zip(inputs.params, inputs.output_token_ids, inputs.eos_token_ids, strict=True)
+        ):
+            if len(output) >= p.min_tokens:
+                continue
+            stop = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos))
+            ids = [t for t in stop if t < self.vocab_size]
+            rows += [i] * len(ids)
+            cols += ids
+        return (rows, cols) if cols else None
 
-def apply_penalties(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
-    """Returns a float32 copy of `logits` [B, V] with the penalties and min_tokens mask applied.
+    def _ints(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
 
-    repetition_penalty r (HF): for tokens in prompt or output, logit > 0 -> logit / r, else * r.
-    frequency f / presence p (OpenAI): logit -= f * count_in_output + p * (count_in_output > 0).
-    min_tokens: while len(output) < min_tokens, stop_token_ids (and EOS unless ignore_eos) -> -inf.
-    """
-    _check_rows(logits, inputs)
-    logits = logits.to(torch.float32, copy=True)
-    params = inputs.params
-    rows, vocab = logits.shape
-    device = logits.device
-    uses_repetition = any(p.repetition_penalty != 1.0 for p in params)
-    uses_counts = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
+    def _floats(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32).to(self.device, non_blocking=True)
 
-    if uses_repetition or uses_counts:
-        output_ids = _padded_ids(inputs.output_token_ids, vocab, device)
-    if uses_repetition:
-        prompt_ids = _padded_ids(inputs.prompt_token_ids, vocab, device)
-        seen_ids = torch.cat([prompt_ids, output_ids], dim=1)
-        seen = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=device)
-        seen = seen.scatter_(1, seen_ids, True)[:, :vocab]
-        r = _column([p.repetition_penalty for p in params], device)
-        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
-    if uses_counts:
-        counts = torch.zeros(rows, vocab + 1, device=device)
-        counts = counts.scatter_add_(
-            1, output_ids, torch.ones_like(output_ids, dtype=torch.float32)
-        )
-        counts = counts[:, :vocab]
-        frequency = _column([p.frequency_penalty for p in params], device)
-        presence = _column([p.presence_penalty for p in params], device)
-        logits -= frequency * counts + presence * (counts > 0)
+    # -- device: one step ---------------------------------------------------------------------
+    def sample(self, logits: torch.Tensor, plan: SamplingPlan) -> SampledRows:
+        """One token per row; consumes `logits` (float32 [R, V], modified in place). Updates
+        the token counts of the penalised rows, on the device, before returning."""
+        if plan.greedy_only:
+            self._end(plan)
+            return SampledRows(logits.argmax(dim=-1), None)
+        raw = None
+        if plan.logprob_index is not None:
+            raw = torch.log_softmax(logits[plan.logprob_index], dim=-1)
+        self._adjust(logits, plan)
+        token_ids = logits.argmax(dim=-1)  # final for greedy rows
+        if plan.sampled_rows is not None:
+            chosen = self._sample_rows(logits, plan)
+            if plan.sampled_all:
+                token_ids = chosen
+            else:
+                token_ids.index_copy_(0, plan.sampled_rows, chosen)
+        if plan.penalty_rows is not None:
+            self.counts.add(plan.penalty_slots, token_ids[plan.penalty_rows])
+        packed = None
+        if raw is not None:
+            packed = _pack_logprobs(raw, token_ids[plan.logprob_index], plan.num_top)
+        self._end(plan)
+        return SampledRows(token_ids, packed)
 
-    _mask_stop_ids_before_min_tokens(logits, inputs)
-    return logits
+    def _adjust(self, logits: torch.Tensor, plan: SamplingPlan) -> None:
+        """Penalties and the min_tokens mask, in place."""
+        if plan.penalty_rows is not None:
+            counts, seen = self.counts.rows(plan.penalty_slots)
+            rep, freq, pres = plan.penalties.unbind(1)
+            sub = ops.apply_penalties_(logits[plan.penalty_rows], counts, seen, rep, freq, pres)
+            logits.index_copy_(0, plan.penalty_rows, sub)
+        if plan.blocked is not None:
+            logits.index_put_(plan.blocked, torch.tensor(ops.NEG_INF, device=logits.device))
 
+    @torch.inference_mode()
+    def penalized(self, logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
+        """A copy of `logits` with the penalties and the min_tokens mask applied: what greedy
+        rows take the argmax of (for tests and debugging; counts are not advanced)."""
+        plan = self.plan(inputs, tuple(logits.shape))
+        out = logits.to(torch.float32, copy=True)
+        self._adjust(out, plan)
+        self._end(plan)
+        return out
 
-def _mask_stop_ids_before_min_tokens(logits: torch.Tensor, inputs: SamplingInputs) -> None:
-    vocab = logits.shape[1]
-    rows: list[int] = []
-    cols: list[int] = []
-    for i, (params, output, eos) in enumerate(
-        zip(inputs.params, inputs.output_token_ids, inputs.eos_token_ids, strict=True)
-    ):
-        if len(output) >= params.min_tokens:
-            continue
-        blocked = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos))
-        ids = [t for t in blocked if t < vocab]
-        rows += [i] * len(ids)
-        cols += ids
-    if cols:
-        device = logits.device
-        logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = _NEG_INF
+    def _sample_rows(self, logits: torch.Tensor, plan: SamplingPlan) -> torch.Tensor:
+        x = logits if plan.sampled_all else logits[plan.sampled_rows]
+        temperature, top_p, min_p = plan.filters.unbind(1)
+        x.div_(temperature.unsqueeze(1))
+        if plan.k_max:
+            ops.top_k_mask_(x, plan.top_k, plan.k_max)
+        if plan.uses_top_p:
+            ops.top_p_mask_(x, top_p)
+        if plan.uses_min_p:
+            ops.min_p_mask_(x, min_p)
+        return ops.race(x, ops.exponential_noise(plan.row_keys, self.salts))
 
-
-def _sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> torch.Tensor:
-    """One token per row of `logits` [S, V] (float32, owned by the caller, modified in place)."""
-    device = logits.device
-    logits.div_(_column([p.temperature for p in params], device))
-    logits = _apply_top_k_top_p(logits, params)
-    if any(p.min_p > 0.0 for p in params):
-        probs = logits.softmax(dim=-1)
-        floor = probs.amax(dim=-1, keepdim=True) * _column([p.min_p for p in params], device)
-        logits.masked_fill_(probs < floor, _NEG_INF)
-    probs = logits.softmax(dim=-1)
-    return probs.div_(_exponential_noise(probs, generators)).argmax(dim=-1)
-
-
-def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Sets tokens outside each row's top-k, then outside its top-p nucleus, to -inf (in place)."""
-    rows, vocab = logits.shape
-    uses_k = any(0 < p.top_k < vocab for p in params)
-    uses_p = any(p.top_p < 1.0 for p in params)
-    if not (uses_k or uses_p):
-        return logits
-    device = logits.device
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    if uses_k:
-        k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-        rank = torch.arange(vocab, device=device)
-        sorted_logits.masked_fill_(rank >= k.unsqueeze(1), _NEG_INF)
-    if uses_p:
-        probs = sorted_logits.softmax(dim=-1)
-        # Mass of the strictly more likely tokens: 0 for the first, so the best token always stays.
-        mass_before = probs.cumsum(dim=-1) - probs
-        # inf disables the filter for top_p == 1 rows, where cumsum rounding could reach 1.0.
-        top_p = _column([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device)
-        sorted_logits.masked_fill_(mass_before >= top_p, _NEG_INF)
-    # `order` is a permutation of each row, so every slot is written back.
-    return logits.scatter_(1, order, sorted_logits)
-
-
-def skip_draws(
-    generator: torch.Generator, vocab_size: int, device: torch.device, steps: int
-) -> None:
-    """Advance a seeded generator past `steps` sampled tokens, as if this sampler drew them.
-
-    A decode node continues a seeded request whose first token was sampled elsewhere; skipping
-    that draw keeps its tokens identical to a single-process run.
-    """
-    for _ in range(steps):
-        torch.empty(vocab_size, device=device).exponential_(generator=generator)
-
-
-def _exponential_noise(
-    probs: torch.Tensor, generators: list[torch.Generator | None]
-) -> torch.Tensor:
-    """q ~ Exponential(1) shaped like `probs`; seeded rows draw from their own generator."""
-    q = torch.empty_like(probs)
-    if any(g is None for g in generators):
-        q.exponential_()
-    for i, generator in enumerate(generators):
-        if generator is not None:
-            q[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(
-                generator=generator
-            )
-    # A zero draw would turn a filtered token's 0 / 0 into NaN, which argmax would pick.
-    return q.clamp_min_(torch.finfo(q.dtype).tiny)
+    def _end(self, plan: SamplingPlan) -> None:
+        for request_id in plan.ephemeral:
+            self.release(request_id)
 
 
-def _gather_logprobs(
-    raw_logprobs: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]
-) -> tuple[list[float], list[list[tuple[int, float]] | None]]:
-    sampled = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
-    n_max = min(max(p.logprobs or 0 for p in params), raw_logprobs.shape[1])
-    values, ids = raw_logprobs.topk(n_max, dim=-1)  # sorted, best first
-    values, ids = values.tolist(), ids.tolist()
-    top: list[list[tuple[int, float]] | None] = [
-        None
-        if p.logprobs is None
-        else list(zip(ids[i][: p.logprobs], values[i][: p.logprobs], strict=True))
-        for i, p in enumerate(params)
-    ]
-    return sampled, top
+def _pack_logprobs(raw: torch.Tensor, chosen: torch.Tensor, num_top: int) -> torch.Tensor:
+    sampled = raw.gather(1, chosen.unsqueeze(1))
+    if num_top == 0:
+        return sampled
+    values, ids = raw.topk(num_top, dim=-1)  # sorted, best first
+    return torch.cat([sampled, ids.to(torch.float32), values], dim=1)
 
 
-def _padded_ids(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """[B, max_len] int64 ids, short rows padded with `pad`."""
-    width = max((len(r) for r in rows), default=0)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    for i, row in enumerate(rows):
-        if len(row):
-            ids[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
-    return ids.to(device)
+def to_host(out: SampledRows, plan: SamplingPlan) -> SamplerOutput:
+    """Read a step's results back (syncs with the device)."""
+    return host_output(
+        out.token_ids.tolist(), None if out.logprobs is None else out.logprobs.tolist(), plan
+    )
 
 
-def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+def host_output(
+    token_ids: list[int], packed: list[list[float]] | None, plan: SamplingPlan
+) -> SamplerOutput:
+    """SamplerOutput from values already on the host (`packed`: the rows of
+    `SampledRows.logprobs`)."""
+    if packed is None:
+        return SamplerOutput(token_ids, None, None)
+    logprobs: list[float | None] = [None] * plan.num_rows
+    tops: list[list[tuple[int, float]] | None] = [None] * plan.num_rows
+    n = plan.num_top
+    for row, values, count in zip(plan.logprob_rows, packed, plan.top_counts, strict=True):
+        logprobs[row] = values[0]
+        count = min(count, n)
+        tops[row] = [(int(values[1 + j]), values[1 + n + j]) for j in range(count)]
+    return SamplerOutput(token_ids, logprobs, tops)
 
 
-def _check_rows(logits: torch.Tensor, inputs: SamplingInputs) -> None:
-    fields = ("params", "prompt_token_ids", "output_token_ids", "generators", "eos_token_ids")
+def _check_rows(inputs: SamplingInputs, shape: tuple[int, ...] | None) -> None:
+    fields = ("params", "prompt_token_ids", "output_token_ids", "eos_token_ids")
     lengths = {name: len(getattr(inputs, name)) for name in fields}
-    if logits.dim() != 2 or any(n != logits.shape[0] for n in lengths.values()):
-        raise ValueError(
-            f"logits shape {tuple(logits.shape)} does not match the per-row inputs {lengths}"
-        )
+    if inputs.request_ids is not None:
+        lengths["request_ids"] = len(inputs.request_ids)
+    rows = len(inputs.params) if shape is None else shape[0]
+    if (shape is not None and len(shape) != 2) or any(n != rows for n in lengths.values()):
+        raise ValueError(f"logits shape {shape} does not match the per-row inputs {lengths}")

@@ -187,7 +187,6 @@ class DecodeNode:
         seq.output_token_ids.append(int(meta["first_token"]))
         seq.block_ids = pending.block_ids
         seq.num_computed_tokens = len(req.prompt_token_ids)
-        self.worker.runner.resume_request(rid, seq.params.seed, 0 if seq.params.greedy else 1)
         self.scheduler.add_running(seq)
 
     # -- decoding ---------------------------------------------------------------------------
