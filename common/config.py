@@ -75,6 +75,13 @@ class EngineConfig:
         default="auto", metadata={"help": "auto, torch, triton, flash_attn"}
     )
     enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs"})
+    overlap_scheduling: bool = field(
+        default=True,
+        metadata={
+            "help": "decode: schedule and stage step N+1 while step N runs, outputs one step "
+            "behind (--no-overlap-scheduling: the synchronous loop, for comparison)"
+        },
+    )
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:

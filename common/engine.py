@@ -30,7 +30,7 @@ class LLMEngine:
         self.config = config
         self.worker = Worker(config)
         self.scheduler = Scheduler(config.scheduler, self.worker.allocator)
-        self.core = EngineCore(self.worker, self.scheduler)
+        self.core = EngineCore(self.worker, self.scheduler, overlap=config.overlap_scheduling)
         self.sequences: dict[str, Sequence] = {}
 
     @property

@@ -1,44 +1,108 @@
 """Turns a ScheduledBatch into tensors, runs the model, samples one token per finishing row.
 
+`launch` queues one step on the device and returns a `StepHandle` at once: the sampled ids stay
+on the device (the next step reads its placeholder inputs from them there), and one
+non-blocking device-to-host copy plus an event bring them to the host for `StepHandle.result`.
+`execute` is launch + result, for callers that do not overlap.
+
 Decode-only batches replay a captured CUDA graph when one is available (`common.cuda_graphs`);
-everything else (prefill, chunks, mixed batches, CPU) runs eagerly.
+everything else (prefill, chunks, mixed batches) runs eagerly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from common.attention import AttentionBackend, AttentionMetadata, ForwardContext
-from common.cuda_graphs import DecodeGraphs
+from common.cuda_graphs import DecodeGraphs, Replay
 from common.kv_cache import KVCache
 from common.models.llama import LlamaForCausalLM
-from common.sampler import Sampler, SamplingInputs, to_host
+from common.sampler import SampledRows, Sampler, SamplingInputs, SamplingPlan, host_output
 from common.scheduler import SampledToken, ScheduledBatch
-from common.sequence import Sequence
+from common.sequence import PLACEHOLDER
 
 
 @dataclass
 class HostInputs:
     """One step's inputs as plain lists, before they become tensors or graph buffers."""
 
-    input_ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    query_lens: list[int]
-    seq_lens: list[int]
-    block_tables: list[list[int]]
-    row_keys: list[tuple[str, int, int]]  # identifies each row's block list (see DecodeGraphs.run)
-    logits_indices: list[int]  # token index of each sampling row
-    sample_rows: list[int]  # batch item index of each sampling row
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    row_keys: list[tuple[str, int, int]] = field(default_factory=list)  # see DecodeGraphs.launch
+    logits_indices: list[int] = field(default_factory=list)  # token index of each sampling row
+    sample_rows: list[int] = field(default_factory=list)  # batch item index of each sampling row
+    # Tokens not on the host yet: (token index here, row of the previous step's sampled ids).
+    fill_at: list[int] = field(default_factory=list)
+    fill_from: list[int] = field(default_factory=list)
 
     @property
     def is_decode_only(self) -> bool:
         return all(n == 1 for n in self.query_lens) and len(self.sample_rows) == len(
             self.query_lens
         )
+
+
+class StepHandle:
+    """A launched step. `token_ids` (device) feed the next step; `result()` waits for the step
+    (its event), releases its staging slot and returns one entry per batch item (None where no
+    token was sampled)."""
+
+    def __init__(self, batch: ScheduledBatch, sample_rows: list[int]) -> None:
+        self.batch = batch
+        self.sample_rows = sample_rows
+        self.token_ids: torch.Tensor | None = None
+        self.plan: SamplingPlan | None = None
+        self.replay: Replay | None = None
+        self._host: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._event: torch.cuda.Event | None = None
+        self._results: list[SampledToken | None] | None = None
+
+    def sampled_row(self) -> dict[str, int]:
+        """Request id -> row of `token_ids`."""
+        items = self.batch.items
+        return {items[r].seq.request_id: i for i, r in enumerate(self.sample_rows)}
+
+    def _copy_out(self, out: SampledRows, plan: SamplingPlan) -> None:
+        self.token_ids, self.plan = out.token_ids, plan
+        if out.token_ids.device.type != "cuda":
+            self._host = (out.token_ids, out.logprobs)
+            return
+        ids = torch.empty(out.token_ids.shape, dtype=torch.int64, pin_memory=True)
+        ids.copy_(out.token_ids, non_blocking=True)
+        packed = None
+        if out.logprobs is not None:
+            packed = torch.empty(out.logprobs.shape, dtype=torch.float32, pin_memory=True)
+            packed.copy_(out.logprobs, non_blocking=True)
+        self._host = (ids, packed)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def result(self) -> list[SampledToken | None]:
+        if self._results is not None:
+            return self._results
+        if self._event is not None:
+            self._event.synchronize()
+        if self.replay is not None:
+            self.replay.release()  # the step has read its staging buffers
+        results: list[SampledToken | None] = [None] * len(self.batch.items)
+        if self._host is not None:
+            ids, packed = self._host
+            out = host_output(ids.tolist(), None if packed is None else packed.tolist(), self.plan)
+            for i, row in enumerate(self.sample_rows):
+                results[row] = SampledToken(
+                    out.token_ids[i],
+                    None if out.logprobs is None else out.logprobs[i],
+                    None if out.top_logprobs is None else out.top_logprobs[i],
+                )
+        self._results = results
+        return results
 
 
 class ModelRunner:
@@ -62,7 +126,8 @@ class ModelRunner:
         self._v_caches = kv_cache.v_caches
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> int:
-        """Capture decode graphs (CUDA only); returns the bytes they hold."""
+        """Capture decode graphs (on CPU: set up their buffers, replays run eagerly); returns
+        the bytes they hold."""
         self.graphs = DecodeGraphs(
             self.model, self.backend, self.kv_cache, max_num_seqs, max_model_len, self.scale
         )
@@ -72,14 +137,25 @@ class ModelRunner:
         """Forget per-request sampler state (noise key, token counts) once it has ended."""
         self.sampler.release(request_id)
 
-    def host_inputs(self, batch: ScheduledBatch) -> HostInputs:
+    def host_inputs(self, batch: ScheduledBatch, prev: StepHandle | None = None) -> HostInputs:
+        """`prev`: the step launched before this one, whose sampled ids may not be on the host
+        yet; a decode row whose input is still a placeholder reads it from there."""
         bs = self.block_size
-        h = HostInputs([], [], [], [], [], [], [], [], [])
+        h = HostInputs()
+        prev_rows = prev.sampled_row() if prev is not None else {}
         for row, item in enumerate(batch.items):
             seq, start, n = item.seq, item.start, item.num_new_tokens
-            h.input_ids.extend(
-                seq.all_token_ids[start : start + n] if n > 1 else [seq.token_at(start)]
-            )
+            if n == 1:
+                token = seq.token_at(start)
+                if token == PLACEHOLDER:
+                    h.fill_at.append(len(h.input_ids))
+                    h.fill_from.append(prev_rows[seq.request_id])
+                    token = 0
+                h.input_ids.append(token)
+            else:
+                tokens = seq.all_token_ids[start : start + n]
+                assert PLACEHOLDER not in tokens, "a multi-token row with an unresolved token"
+                h.input_ids.extend(tokens)
             h.positions.extend(range(start, start + n))
             blocks = seq.block_ids
             h.slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -117,53 +193,80 @@ class ModelRunner:
     def execute(
         self, batch: ScheduledBatch, on_layer_done: Callable[[int], None] | None = None
     ) -> list[SampledToken | None]:
-        """Run one step; returns one entry per batch item (None where no token is sampled)."""
-        h = self.host_inputs(batch)
+        """Run one step and wait for it; one entry per batch item (None where no token is
+        sampled)."""
+        return self.launch(batch, on_layer_done=on_layer_done).result()
+
+    @torch.inference_mode()
+    def launch(
+        self,
+        batch: ScheduledBatch,
+        prev: StepHandle | None = None,
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> StepHandle:
+        """Queue one step (model and sampling) on the device without waiting for it. Must be
+        called before the scheduler commits the step: sampling reads each row's output length
+        as its draw index."""
+        h = self.host_inputs(batch, prev)
+        handle = StepHandle(batch, h.sample_rows)
+        fill = None
+        if h.fill_at:
+            assert prev is not None and prev.token_ids is not None
+            at = self._tensor(h.fill_at, torch.int64)
+            fill = (at, prev.token_ids.index_select(0, self._tensor(h.fill_from, torch.int64)))
         if (
             self.graphs is not None
             and on_layer_done is None
             and h.is_decode_only
             and self.graphs.fits(len(h.input_ids))
         ):
-            logits = self.graphs.run(
-                h.input_ids, h.positions, h.slots, h.seq_lens, h.block_tables, h.row_keys
+            handle.replay = self.graphs.launch(
+                h.input_ids, h.positions, h.slots, h.seq_lens, h.block_tables, h.row_keys, fill
             )
+            logits = handle.replay.logits
         else:
-            ctx = ForwardContext(
-                self.backend,
-                self.metadata(h),
-                self._k_caches,
-                self._v_caches,
-                self.scale,
-                on_layer_done,
-            )
-            hidden = self.model(
-                self._tensor(h.input_ids, torch.int64), self._tensor(h.positions, torch.int64), ctx
-            )
-            if not h.sample_rows:
-                return [None] * len(batch.items)
-            logits = self.model.compute_logits(hidden[self._tensor(h.logits_indices, torch.int64)])
-        seqs = [batch.items[row].seq for row in h.sample_rows]
-        results: list[SampledToken | None] = [None] * len(batch.items)
-        for row, token in zip(h.sample_rows, self.sample(logits, seqs), strict=True):
-            results[row] = token
-        return results
+            logits = self._eager(h, fill, on_layer_done)
+        try:
+            self._sample(handle, batch, logits)
+        except BaseException:
+            if handle.replay is not None:  # give the staging slot back: nothing reads it now
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                handle.replay.release()
+            raise
+        return handle
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
-        inputs = SamplingInputs(
-            params=[s.params for s in seqs],
-            prompt_token_ids=[s.prompt_token_ids for s in seqs],
-            output_token_ids=[s.output_token_ids for s in seqs],
-            eos_token_ids=[self.eos_token_ids] * len(seqs),
-            request_ids=[s.request_id for s in seqs],
-        )
-        plan = self.sampler.plan(inputs, tuple(logits.shape))
-        out = to_host(self.sampler.sample(logits, plan), plan)
-        return [
-            SampledToken(
-                token_id=out.token_ids[i],
-                logprob=out.logprobs[i] if out.logprobs is not None else None,
-                top_logprobs=out.top_logprobs[i] if out.top_logprobs is not None else None,
+    def _sample(self, handle: StepHandle, batch: ScheduledBatch, logits) -> None:
+        if handle.sample_rows:
+            seqs = [batch.items[row].seq for row in handle.sample_rows]
+            inputs = SamplingInputs(
+                params=[s.params for s in seqs],
+                prompt_token_ids=[s.prompt_token_ids for s in seqs],
+                output_token_ids=[s.output_token_ids for s in seqs],
+                eos_token_ids=[self.eos_token_ids] * len(seqs),
+                request_ids=[s.request_id for s in seqs],
             )
-            for i in range(len(seqs))
-        ]
+            plan = self.sampler.plan(inputs, tuple(logits.shape))
+            handle._copy_out(self.sampler.sample(logits, plan), plan)
+
+    def _eager(
+        self,
+        h: HostInputs,
+        fill: tuple[torch.Tensor, torch.Tensor] | None,
+        on_layer_done: Callable[[int], None] | None,
+    ) -> torch.Tensor | None:
+        ctx = ForwardContext(
+            self.backend,
+            self.metadata(h),
+            self._k_caches,
+            self._v_caches,
+            self.scale,
+            on_layer_done,
+        )
+        input_ids = self._tensor(h.input_ids, torch.int64)
+        if fill is not None:
+            input_ids.index_copy_(0, *fill)
+        hidden = self.model(input_ids, self._tensor(h.positions, torch.int64), ctx)
+        if not h.sample_rows:
+            return None
+        return self.model.compute_logits(hidden[self._tensor(h.logits_indices, torch.int64)])

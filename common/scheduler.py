@@ -9,6 +9,13 @@ full blocks usually come back from the prefix cache). Nothing here can fail for 
 Block ownership: the scheduler frees a sequence's blocks when it finishes, is aborted or is
 preempted, except in `prefill_only` mode, where a sequence that sampled its first token leaves
 with its blocks: the prefill node keeps them until the KV has been shipped, then frees them.
+
+After the model: `update` = `commit` (counts advance, each sampling row gets a placeholder
+token) then `resolve` (the sampled ids are written, stop rules applied). The overlapped loop
+(`EngineCore`) calls them one step apart: it schedules and launches step N+1 before step N's
+tokens are on the host. While a step is in flight (`hold_frees`), blocks of sequences that
+finish or are aborted are held back (`take_held`) until that step has completed, so neither a
+new sequence nor a KV transfer into a reservation can reuse a block the running step writes.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from dataclasses import dataclass, field
 
 from common.block_allocator import BlockAllocator, compute_block_hashes, hash_block_tokens
 from common.config import SchedulerConfig
-from common.sequence import FinishReason, Sequence, SequenceStatus
+from common.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,8 @@ class ScheduledSeq:
 class ScheduledBatch:
     items: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Set by `Scheduler.commit`: per item, the output position its sampled token fills.
+    output_index: list[int | None] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -69,6 +78,8 @@ class Scheduler:
         # Sequences whose KV is already in their blocks (decode node, after a transfer), in
         # arrival order, waiting for a place among at most max_num_seqs running ones.
         self.ready: deque[Sequence] = deque()
+        self.hold_frees = False  # a step is in flight: finished sequences' blocks wait
+        self._held: list[int] = []
 
     # -- admission and removal ------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -125,6 +136,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.awaiting_last_token:  # ends when its in-flight token resolves
+                i += 1
+                continue
             num_new = min(seq.num_pending_tokens, budget)
             if not self._grow(seq, num_new, batch, scheduled):
                 continue  # seq itself was preempted; self.running shrank
@@ -223,36 +237,74 @@ class Scheduler:
         self, batch: ScheduledBatch, sampled: Iterable[SampledToken | None]
     ) -> list[Sequence]:
         """Advance computed counts, append sampled tokens; return the sequences that finished."""
-        finished: list[Sequence] = []
-        for item, token in zip(batch.items, sampled, strict=True):
+        self.commit(batch)
+        return self.resolve(batch, sampled)
+
+    def commit(self, batch: ScheduledBatch) -> None:
+        """The step has been launched: its tokens count as computed and each sampling row owns
+        the next output position (a placeholder until `resolve`)."""
+        batch.output_index = []
+        for item in batch.items:
             seq = item.seq
-            if seq.is_finished:  # aborted while the step ran
+            index = None
+            if not seq.is_finished:  # aborted since it was scheduled: nothing to advance
+                seq.num_computed_tokens = item.start + item.num_new_tokens
+                if item.samples:
+                    index = len(seq.output_token_ids)
+                    seq.output_token_ids.append(PLACEHOLDER)
+            batch.output_index.append(index)
+
+    def resolve(
+        self, batch: ScheduledBatch, sampled: Iterable[SampledToken | None]
+    ) -> list[Sequence]:
+        """Write a committed step's sampled tokens, register newly full blocks, apply the stop
+        rules; returns the sequences that finished. Rows whose sequence ended meanwhile (an
+        abort, or a stop found at the previous step) are skipped."""
+        finished: list[Sequence] = []
+        for item, index, token in zip(batch.items, batch.output_index, sampled, strict=True):
+            seq = item.seq
+            if seq.is_finished:
                 continue
-            seq.num_computed_tokens = item.start + item.num_new_tokens
-            self._register_full_blocks(seq)
-            if not item.samples:
+            if index is None:
+                self._register_full_blocks(seq)
                 continue
             assert token is not None, "a sampling row produced no token"
             if token.logprob is not None:
                 seq.output_logprobs.append(token.logprob)
             if token.top_logprobs is not None:
                 seq.output_top_logprobs.append(token.top_logprobs)
-            reason = seq.append_token(token.token_id)
+            reason = seq.resolve_token(index, token.token_id)
+            self._register_full_blocks(seq)
             if self.prefill_only:
-                self.running.remove(seq)
+                self._remove(seq)
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_reason = reason  # None: decoding continues on a decode node
                 finished.append(seq)
             elif reason is not None:
-                self.running.remove(seq)
+                self._remove(seq)
                 self._finish(seq, reason)
                 finished.append(seq)
         return finished
 
+    def take_held(self) -> list[int]:
+        """Blocks held back while a step was in flight; the caller frees them once every step
+        that may still write them has completed."""
+        held, self._held = self._held, []
+        return held
+
+    def _remove(self, seq: Sequence) -> None:
+        # Running, or waiting when it was preempted while its last step was in flight.
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+
     def _register_full_blocks(self, seq: Sequence) -> None:
-        if not self.allocator.enable_prefix_caching:
+        if not self.allocator.enable_prefix_caching or seq.status is SequenceStatus.WAITING:
             return
-        full = seq.num_computed_tokens // self.block_size
+        # Only blocks whose every token is on the host (a placeholder can only be the last).
+        known = seq.num_tokens - (seq.output_token_ids[-1:] == [PLACEHOLDER])
+        full = min(seq.num_computed_tokens, known) // self.block_size
         if full <= seq.num_registered_blocks:
             return
         self._extend_hashes(seq, full * self.block_size)
@@ -263,6 +315,10 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.drop_unresolved()
         if seq.block_ids:
-            self.allocator.free(seq.block_ids)
+            if self.hold_frees:
+                self._held.extend(seq.block_ids)
+            else:
+                self.allocator.free(seq.block_ids)
             seq.block_ids = []

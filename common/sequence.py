@@ -2,6 +2,10 @@
 
 Ownership: `block_ids` are references this sequence holds in the process's BlockAllocator;
 whoever finishes, aborts or preempts the sequence frees them exactly once (the scheduler).
+
+Overlapped decoding: a step's sampled token reaches the host one step after the step was
+launched. Until then its place in `output_token_ids` holds `PLACEHOLDER` (the next step reads
+the real id on the device), and `resolve_token` writes it and applies the stop rules.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 
 from common.sampling_params import SamplingParams
+
+PLACEHOLDER = -1  # an output token sampled on the device, not yet on the host
 
 
 class SequenceStatus(enum.Enum):
@@ -72,11 +78,29 @@ class Sequence:
             else self.output_token_ids[index - n_prompt]
         )
 
+    @property
+    def awaiting_last_token(self) -> bool:
+        """Its last token is a placeholder and the sequence ends there whatever its value
+        (max_tokens or the context limit): nothing more to compute, only to resolve."""
+        p = self.params
+        if not self.output_token_ids or self.output_token_ids[-1] != PLACEHOLDER:
+            return False
+        if p.max_tokens is not None and len(self.output_token_ids) >= p.max_tokens:
+            return True
+        return self.num_tokens >= self.max_model_len
+
     def append_token(self, token: int) -> FinishReason | None:
         """Record a sampled token and return why the sequence stops now, if it does."""
         self.output_token_ids.append(token)
+        return self.resolve_token(len(self.output_token_ids) - 1, token)
+
+    def resolve_token(self, index: int, token: int) -> FinishReason | None:
+        """Write the token sampled for output position `index` (a placeholder until now) and
+        return why the sequence stops there, if it does. The stop rules see the sequence as it
+        was at that position, whatever placeholders follow it."""
+        self.output_token_ids[index] = token
         p = self.params
-        n_out = len(self.output_token_ids)
+        n_out = index + 1
         if n_out >= p.min_tokens:
             if token in p.stop_token_ids:
                 self.stop_reason = token
@@ -85,6 +109,11 @@ class Sequence:
                 return FinishReason.STOP
         if p.max_tokens is not None and n_out >= p.max_tokens:
             return FinishReason.LENGTH
-        if self.num_tokens >= self.max_model_len:
+        if len(self.prompt_token_ids) + n_out >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+    def drop_unresolved(self) -> None:
+        """Forget trailing placeholders (the sequence ended before their steps resolved)."""
+        while self.output_token_ids and self.output_token_ids[-1] == PLACEHOLDER:
+            self.output_token_ids.pop()

@@ -17,8 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from common.sampling_params import SamplingParams
-
-PLACEHOLDER = -1  # an output token not yet copied back to the host (overlapped decoding)
+from common.sequence import PLACEHOLDER
 
 
 class TokenCounts:

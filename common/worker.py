@@ -163,15 +163,17 @@ class Worker:
             self._profile_peak_memory(max_len)
             budget = gpu_kv_budget(self.device, cc.kv_memory_fraction)
             if self.use_graphs:
-                # Captured graphs keep one decode step's activations (and the logits of the
-                # largest batch) in their own pool; measured here so the KV pool leaves room.
+                # Captured graphs keep one decode step's activations and the shared logits
+                # buffer in their own pool; measured here so the KV pool leaves room.
                 budget -= self._decode_step_bytes()
         else:
             budget = DEFAULT_CPU_KV_BYTES
         return num_blocks_for_budget(self.spec, cc.block_size, self.dtype, budget)
 
     def _decode_step_bytes(self) -> int:
-        """Peak memory of one eager decode step at max_num_seqs, plus a margin for graph overhead."""
+        """Peak memory of one eager decode step at max_num_seqs, plus a margin for graph
+        overhead: what the captured graphs hold, since every size shares one memory pool and
+        one logits buffer (the largest size's step is the peak)."""
         n, bs = self.config.scheduler.max_num_seqs, self.config.cache.block_size
         scratch = KVCache.allocate(self.spec, n, bs, self.dtype, self.device)
         runner = ModelRunner(self.model, scratch, self.backend, self.device)
@@ -188,7 +190,7 @@ class Worker:
         step = torch.cuda.max_memory_allocated(self.device) - base
         del scratch, runner
         torch.cuda.empty_cache()
-        return 2 * step + (64 << 20)
+        return step + step // 4 + (64 << 20)
 
     def _profile_peak_memory(self, max_len: int) -> None:
         """Run the largest step once on a scratch KV pool so the peak activation size is known."""

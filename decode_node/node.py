@@ -57,7 +57,9 @@ class DecodeNode:
         self.colocated = node_config.colocated
         self.worker = Worker(engine_config)
         self.scheduler = Scheduler(engine_config.scheduler, self.worker.allocator)
-        self.core = EngineCore(self.worker, self.scheduler)
+        self.core = EngineCore(
+            self.worker, self.scheduler, overlap=engine_config.overlap_scheduling
+        )
         self.reservations = ReservationQueue(self.worker.allocator)
         self.receiver = None
         extra = {}

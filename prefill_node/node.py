@@ -51,7 +51,8 @@ class PrefillNode:
         self.scheduler = Scheduler(
             engine_config.scheduler, self.worker.allocator, prefill_only=True
         )
-        self.core = EngineCore(self.worker, self.scheduler)
+        # Synchronous: the first token leaves as soon as it is sampled, and steps ship KV per layer.
+        self.core = EngineCore(self.worker, self.scheduler, overlap=False)
         self.sender = create_sender(
             TransferConfig(
                 transport=node_config.transport,

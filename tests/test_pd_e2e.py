@@ -86,6 +86,20 @@ def test_pd_greedy_text_equals_single_process_engine(client, smollm_llm):
         assert remote == local.text
 
 
+def test_pd_seeded_sampling_equals_the_single_process_engine(client, smollm_llm):
+    """The prefill node draws the first token, the decode node the rest (overlapped loop,
+    penalties from on-device counts): the same text as one process drawing them all."""
+    messages = [{"role": "user", "content": "Invent a name for a cat."}]
+    ids = apply_chat_template(smollm_llm.tokenizer, messages)
+    knobs = dict(temperature=0.9, top_p=0.9, seed=1234, frequency_penalty=0.5, max_tokens=20)
+    local = smollm_llm.generate(ids, SamplingParams(**knobs, ignore_eos=True))[0]
+    remote = client.chat.completions.create(
+        model=MODEL, messages=messages, extra_body={"ignore_eos": True}, **knobs
+    )
+    assert remote.choices[0].message.content == local.text
+    assert remote.usage.completion_tokens == 20
+
+
 def test_16_concurrent_clients_each_get_the_text_of_a_lone_request(client):
     prompts = [
         [{"role": "user", "content": f"Tell me a fact about the number {i}."}] for i in range(16)

@@ -125,5 +125,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
         return self.model(input_ids, positions, ctx)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits of `hidden`'s rows, written into `out` ([rows, vocab] float32) when
+        given: captured graphs of every size share one output buffer."""
+        if out is None:
+            return self.lm_head(hidden).float()
+        weight = self.lm_head.weight
+        if weight.dtype == torch.float32:
+            return torch.mm(hidden, weight.t(), out=out)
+        return out.copy_(self.lm_head(hidden))  # the cast is the copy
