@@ -11,9 +11,11 @@ tokenizer, so prompts are token ids). Idle system, one request at a time: per pr
 untimed warm-up, then --repeats requests with distinct random prompts (fixed seed; no prefix
 cache hits), max_tokens 8, ignore_eos, streamed with `logprobs: 0` so that every token is a
 chunk even without a tokenizer. Reported: medians of the client-measured TTFT and of the timing
-record the router returns. The check: router_queue_tokenize + prefill_queue + prefill_compute +
-first_token_delivery against the router's ttft (it holds by construction: first_token_delivery
-is the router's residual) and against the client's TTFT (which also holds HTTP, JSON and SSE
+record the router returns. The check: the sum of the TTFT phases (router_queue_tokenize +
+router_encode + node_decode + prefill_queue + prefill_compute + first_token_delivery, see
+router/timing.py) against the router's ttft (it holds by construction: first_token_delivery is
+what is left of the router's wait once the node's measured phases are taken out: socket
+transit and the event loop) and against the client's TTFT (which also holds HTTP, JSON and SSE
 time the router cannot see), PASS within 5%.
 
 kv_transfer and kv_transfer_exposed are NOT phases of TTFT here: the prefill node sends the
@@ -42,6 +44,7 @@ sys.path.insert(0, str(ROOT))  # run as a script: the repository's packages
 from benchmarks.loadgen.client import RequestResult, Target, send  # noqa: E402
 from benchmarks.loadgen.workloads import RequestSpec  # noqa: E402
 from benchmarks.stack import PDStack, same_python_env  # noqa: E402
+from router.timing import TTFT_PHASES  # noqa: E402
 
 # Prefill on GPU 0, decode on GPU 1 (launch_pd.sh pins with --device cuda:N and leaves every
 # GPU visible, so the prefill node can open the decode pool through CUDA IPC). Which path a run
@@ -53,7 +56,7 @@ SETUPS: dict[str, tuple[str, ...]] = {
     "colocated": ("--colocated", "--decode-gpus", "0"),
 }
 DEFAULT_SETUPS = ["pd_cuda_ipc", "pd_zmq", "colocated"]
-TTFT_PHASES = ("router_queue_tokenize", "prefill_queue", "prefill_compute", "first_token_delivery")
+
 AFTER_FIRST = ("kv_transfer", "kv_transfer_exposed", "decode_admission_wait")
 KEYS = ("client_ttft", "ttft", *TTFT_PHASES, "phase_sum", *AFTER_FIRST, "first_gap", "client_e2e")
 TOLERANCE = 0.05
@@ -167,10 +170,11 @@ def _pct(value: float | None) -> str:
 def print_table(result: dict[str, Any]) -> None:
     args, w = result["args"], max(8, *(len(s) for s in result["setups"]))
     print(f"\nmedians (ms) of {args['repeats']} requests, max_tokens {args['max_tokens']}")
-    print("TTFT = rq_tok + p_queue + p_comp + ft_del. kv_xfer and exposed are NOT in TTFT: the")
-    print("exposed transfer delays the first decode interval (gap1, client-side) instead.")
+    print("TTFT = rq_tok + r_enc + n_dec + p_queue + p_comp + ft_del. kv_xfer and exposed are")
+    print("NOT in TTFT: the exposed transfer delays the first decode interval (gap1, client-side).")
     print(
-        f"{'setup':<{w}} {'len':>5} {'client':>7} {'router':>7} {'rq_tok':>6} {'p_queue':>7} "
+        f"{'setup':<{w}} {'len':>5} {'client':>7} {'router':>7} {'rq_tok':>6} {'r_enc':>6} "
+        f"{'n_dec':>6} {'p_queue':>7} "
         f"{'p_comp':>7} {'ft_del':>6} {'sum':>7} {'sum/router':>15} {'sum/client':>15} "
         f"{'kv_xfer':>7} {'exposed':>7} {'gap1':>6}"
     )
@@ -186,6 +190,7 @@ def print_table(result: dict[str, Any]) -> None:
             print(
                 f"{setup:<{w}} {row['length']:>5} {_ms(row['client_ttft'], 7)} "
                 f"{_ms(row['ttft'], 7)} {_ms(row['router_queue_tokenize'], 6)} "
+                f"{_ms(row['router_encode'], 6)} {_ms(row['node_decode'], 6)} "
                 f"{_ms(row['prefill_queue'], 7)} {_ms(row['prefill_compute'], 7)} "
                 f"{_ms(row['first_token_delivery'], 6)} {_ms(row['phase_sum'], 7)} "
                 f"{checks[0]:>15} {checks[1]:>15} {_ms(row['kv_transfer'], 7)} "
@@ -241,7 +246,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(
         1, len(lengths), figsize=(max(10, 3 * len(lengths) + 3), 5.5), squeeze=False
     )
-    colors = dict(zip(TTFT_PHASES, ("C7", "C1", "C0", "C2"), strict=True))
+    colors = dict(zip(TTFT_PHASES, ("C7", "C5", "C4", "C1", "C0", "C2"), strict=True))
     for ax, length in zip(axes[0], lengths, strict=True):
         for x, setup in enumerate(setups):
             row = next(r for r in result["setups"][setup]["rows"] if r["length"] == length)

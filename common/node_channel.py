@@ -62,7 +62,12 @@ class NodeChannel:
 
     def receive(self, timeout_s: float) -> list[Any]:
         """Every message waiting in the inbox; waits up to `timeout_s` for the first one."""
-        messages: list[Any] = []
+        return [message for message, _ in self.receive_timed(timeout_s)]
+
+    def receive_timed(self, timeout_s: float) -> list[tuple[Any, float]]:
+        """`receive`, each message with the seconds its decoding (parsing and validation)
+        took: the node_decode phase of the timing record."""
+        messages: list[tuple[Any, float]] = []
         if not self.poller.poll(int(timeout_s * 1000)):
             return messages
         while True:
@@ -70,10 +75,13 @@ class NodeChannel:
                 frame = self.inbox.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return messages
+            start = time.monotonic()
             try:
-                messages.append(decode(frame))
+                message = decode(frame)
             except MessageError as exc:
                 log.warning("dropped an invalid control message: %s", exc)
+                continue
+            messages.append((message, time.monotonic() - start))
 
     def to_router(self, message: Any) -> None:
         self.router.send(encode(message))

@@ -34,6 +34,7 @@ class DecodeTiming:
     prefill_timing: dict[str, float] = field(default_factory=dict)
     prefill_first_token_at: float | None = None  # prefill node's clock; set only on one host
     sent_first: bool = False
+    decode_s: float = 0.0  # parsing the DecodeRequest
 
     def first_report(self) -> dict[str, float]:
         out = dict(self.prefill_timing)
@@ -102,8 +103,8 @@ class DecodeNode:
         # are in flight (their completion is on the path to the second token), else the inbox.
         awaiting_kv = bool(self.reservations.reserved or self.quarantined)
         inbox_wait = 0.0 if busy or awaiting_kv else 0.005
-        for message in self.channel.receive(timeout_s=inbox_wait):
-            self.handle(message)
+        for message, decode_s in self.channel.receive_timed(timeout_s=inbox_wait):
+            self.handle(message, decode_s)
         if self.receiver is not None:
             self._reserve_blocks()
             kv_wait = 0.001 if awaiting_kv and not busy else 0.0
@@ -113,16 +114,17 @@ class DecodeNode:
             self._decode_step()
         self.channel.publish_load(self._load)
 
-    def handle(self, message: object) -> None:
+    def handle(self, message: object, decode_s: float = 0.0) -> None:
+        """`decode_s`: how long parsing the message took (colocated: reported as node_decode)."""
         if isinstance(message, DecodeRequest):
-            self._accept(message)
+            self._accept(message, decode_s)
         elif isinstance(message, Abort):
             self._abort(message.request_id)
         else:
             log.warning("decode node ignores %s", type(message).__name__)
 
     # -- admission --------------------------------------------------------------------------
-    def _accept(self, request: DecodeRequest) -> None:
+    def _accept(self, request: DecodeRequest, decode_s: float = 0.0) -> None:
         rid = request.request_id
         if rid in self.timings:
             self.channel.to_router(RequestError(rid, f"duplicate request id {rid!r}", 400))
@@ -145,7 +147,7 @@ class DecodeNode:
             return
         else:
             self.reservations.add(request)
-        self.timings[rid] = DecodeTiming()
+        self.timings[rid] = DecodeTiming(decode_s=decode_s)
 
     def _new_sequence(self, rid: str, prompt: list[int], params: SamplingParams) -> Sequence:
         seq = self.worker.new_sequence(rid, prompt, params)
@@ -241,7 +243,8 @@ class DecodeNode:
             return None
         timing.sent_first = True
         report = timing.first_report()
-        if self.colocated:
+        if self.colocated:  # the TTFT phases are this node's
+            report["node_decode"] = timing.decode_s
             start = timing.first_step_at or timing.arrived_at
             report["prefill_queue"] = start - timing.arrived_at
             report["prefill_compute"] = time.monotonic() - start

@@ -41,6 +41,7 @@ class PrefillJob:
     seq: Sequence | None = None
     scheduled_at: float | None = None
     first_token_at: float | None = None
+    decode_s: float = 0.0  # parsing the PrefillRequest
     transferring: bool = False
 
 
@@ -98,20 +99,24 @@ class PrefillNode:
             wait = 0.0
         elif any(job.transferring for job in self.jobs.values()):
             wait = TRANSFER_WAIT_S
-        for message in self.channel.receive(timeout_s=wait):
-            self.handle(message)
+        for message, decode_s in self.channel.receive_timed(timeout_s=wait):
+            self.handle(message, decode_s)
         if self.core.has_work():
             self._run_batch()
         self._reap_transfers()
         self.channel.publish_load(self._load)
 
-    def handle(self, message: object) -> None:
+    def handle(self, message: object, decode_s: float = 0.0) -> None:
+        """`decode_s`: how long parsing the message took (reported as node_decode)."""
         rid = getattr(message, "request_id", None)
         if rid in self._ended and not isinstance(message, Abort):
             return  # a Reservation (or request) that crossed the Abort on the wire
         if isinstance(message, PrefillRequest):
             job = self.jobs.setdefault(message.request_id, PrefillJob(message.request_id))
             job.request = message
+            # prefill_queue runs from here (node_decode before it) even if the Reservation
+            # came first, so the node's phases never overlap the router's.
+            job.arrived_at, job.decode_s = time.monotonic(), decode_s
             self._maybe_start(job)
         elif isinstance(message, Reservation):
             job = self.jobs.setdefault(message.request_id, PrefillJob(message.request_id))
@@ -192,6 +197,7 @@ class PrefillNode:
         top = seq.output_top_logprobs[0] if seq.output_top_logprobs else None
         top = [[t, lp] for t, lp in top] if top is not None else None
         timing = {
+            "node_decode": job.decode_s,
             "prefill_queue": job.scheduled_at - job.arrived_at,
             "prefill_compute": job.first_token_at - job.scheduled_at,
         }

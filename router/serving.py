@@ -94,6 +94,7 @@ class GenerationHandler:
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         marks = TimingMarks(arrival, dispatched=self.core.clock())
         queue = self.core.dispatch(request_id, prepared, route)
+        marks.sent = self.core.clock()  # router_encode: messages encoded and handed off
         session = Session(self.core, request_id, prepared, route, queue, marks, self.tokenizer)
         formatter = ResponseFormatter(
             kind,

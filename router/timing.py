@@ -2,9 +2,14 @@
 
 Every duration is measured inside one process on its own monotonic clock; the router never
 subtracts timestamps taken by different processes. In both modes the record satisfies
-    ttft = router_queue_tokenize + prefill_queue + prefill_compute + first_token_delivery
-where first_token_delivery is the router-observed residual (dispatch to first token, less
-what the node says it spent queueing and computing): network, serialization, event loop.
+    ttft = router_queue_tokenize + router_encode + node_decode + prefill_queue
+           + prefill_compute + first_token_delivery
+Every phase but the last is measured where it happens: the router's validation, tokenization
+and routing; its encoding and hand-off of the messages to the sockets; the node's parsing of
+its request message; the prefill queue and compute. first_token_delivery is what the router
+saw between handing the messages off and receiving the first token, less the node's measured
+phases: only socket transit and the router's event loop are left in it. The benchmarks check
+the sum against the client's own clock, which also holds HTTP and SSE time.
 """
 
 from __future__ import annotations
@@ -12,7 +17,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-NODE_PHASES = ("prefill_queue", "prefill_compute", "kv_transfer", "decode_admission_wait")
+NODE_PHASES = (
+    "node_decode",
+    "prefill_queue",
+    "prefill_compute",
+    "kv_transfer",
+    "decode_admission_wait",
+)
+TTFT_PHASES = (
+    "router_queue_tokenize",
+    "router_encode",
+    "node_decode",
+    "prefill_queue",
+    "prefill_compute",
+    "first_token_delivery",
+)
 
 
 @dataclass
@@ -20,7 +39,8 @@ class TimingMarks:
     """Router-clock timestamps of one request, plus the durations nodes reported."""
 
     arrival: float
-    dispatched: float | None = None
+    dispatched: float | None = None  # routing done, messages about to be encoded
+    sent: float | None = None  # messages encoded and handed to the sockets
     first_token: float | None = None
     finished: float | None = None
     token_arrivals: list[float] = field(default_factory=list)  # one per event carrying tokens
@@ -58,6 +78,8 @@ class IntervalSummary:
 @dataclass(frozen=True)
 class TimingRecord:
     router_queue_tokenize: float | None
+    router_encode: float | None
+    node_decode: float | None
     prefill_queue: float | None
     prefill_compute: float | None
     kv_transfer: float | None
@@ -71,7 +93,7 @@ class TimingRecord:
 
     def phases(self) -> dict[str, float]:
         """Every measured scalar phase, for histograms."""
-        names = ("router_queue_tokenize", *NODE_PHASES, "first_token_delivery")
+        names = ("router_queue_tokenize", "router_encode", *NODE_PHASES, "first_token_delivery")
         known = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
         return {**known, **self.extra}
 
@@ -79,6 +101,8 @@ class TimingRecord:
         """The `timing` extension field of a response (seconds; null = not measured)."""
         out: dict[str, Any] = {
             "router_queue_tokenize": self.router_queue_tokenize,
+            "router_encode": self.router_encode,
+            "node_decode": self.node_decode,
             "prefill_queue": self.prefill_queue,
             "prefill_compute": self.prefill_compute,
             "kv_transfer": self.kv_transfer,
@@ -96,17 +120,25 @@ def assemble(marks: TimingMarks, now: float) -> TimingRecord:
     """The record as of `now` (the finish time once the request has finished)."""
     node = marks.node_timing
     queue = None if marks.dispatched is None else marks.dispatched - marks.arrival
+    encode = None
+    if marks.sent is not None and marks.dispatched is not None:
+        encode = marks.sent - marks.dispatched
     ttft = None if marks.first_token is None else marks.first_token - marks.arrival
     delivery = None
-    if marks.first_token is not None and marks.dispatched is not None:
-        delivery = marks.first_token - marks.dispatched
-        delivery -= node.get("prefill_queue", 0.0) + node.get("prefill_compute", 0.0)
+    handed_off = marks.sent if marks.sent is not None else marks.dispatched
+    if marks.first_token is not None and handed_off is not None:
+        delivery = marks.first_token - handed_off
+        delivery -= sum(
+            node.get(p, 0.0) for p in ("node_decode", "prefill_queue", "prefill_compute")
+        )
     end = marks.finished if marks.finished is not None else now
     gaps = tuple(
         b - a for a, b in zip(marks.token_arrivals[:-1], marks.token_arrivals[1:], strict=True)
     )
     return TimingRecord(
         router_queue_tokenize=queue,
+        router_encode=encode,
+        node_decode=node.get("node_decode"),
         prefill_queue=node.get("prefill_queue"),
         prefill_compute=node.get("prefill_compute"),
         kv_transfer=node.get("kv_transfer"),

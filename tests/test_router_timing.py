@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from router.timing import TimingMarks, assemble, percentile, summarize
+from router.timing import TTFT_PHASES, TimingMarks, assemble, percentile, summarize
 
 
 def pd_marks() -> TimingMarks:
-    marks = TimingMarks(arrival=10.0, dispatched=10.002)
-    marks.merge_node_timing({"prefill_queue": 0.010, "prefill_compute": 0.050})
+    marks = TimingMarks(arrival=10.0, dispatched=10.002, sent=10.003)
+    marks.merge_node_timing(
+        {"node_decode": 0.0005, "prefill_queue": 0.010, "prefill_compute": 0.050}
+    )
     marks.tokens_arrived(10.070)  # the prefill node's first token
     marks.merge_node_timing({"kv_transfer": 0.004, "kv_transfer_exposed": 0.001})
     marks.merge_node_timing({"decode_admission_wait": 0.002})
@@ -22,6 +24,8 @@ def pd_marks() -> TimingMarks:
 def test_pd_record_takes_phases_from_router_and_nodes():
     record = assemble(pd_marks(), now=99.0)
     assert record.router_queue_tokenize == pytest.approx(0.002)
+    assert record.router_encode == pytest.approx(0.001)
+    assert record.node_decode == 0.0005
     assert record.prefill_queue == 0.010
     assert record.prefill_compute == 0.050
     assert record.kv_transfer == 0.004
@@ -31,15 +35,11 @@ def test_pd_record_takes_phases_from_router_and_nodes():
     assert record.extra == {"kv_transfer_exposed": 0.001}
 
 
-def test_first_token_delivery_is_the_residual_so_phases_sum_to_ttft():
+def test_phases_sum_to_ttft_and_delivery_keeps_only_transit():
     record = assemble(pd_marks(), now=99.0)
-    assert record.first_token_delivery == pytest.approx(0.068 - 0.060)
-    parts = (
-        record.router_queue_tokenize
-        + record.prefill_queue
-        + record.prefill_compute
-        + record.first_token_delivery
-    )
+    # Handed off at 10.003, first token at 10.070; the node measured 0.0605 of that.
+    assert record.first_token_delivery == pytest.approx(0.067 - 0.0605)
+    parts = sum(getattr(record, phase) for phase in TTFT_PHASES)
     assert parts == pytest.approx(record.ttft)
 
 
@@ -94,6 +94,8 @@ def test_phases_lists_only_measured_values():
     phases = assemble(pd_marks(), now=99.0).phases()
     assert set(phases) == {
         "router_queue_tokenize",
+        "router_encode",
+        "node_decode",
         "prefill_queue",
         "prefill_compute",
         "kv_transfer",
