@@ -75,6 +75,14 @@ class EngineConfig:
         default="auto", metadata={"help": "auto, torch, triton, flash_attn"}
     )
     enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs"})
+    prefill_graph_max_tokens: int = field(
+        default=1024,
+        metadata={
+            "help": "CUDA-graph prefill and mixed steps of up to this many tokens (token-count "
+            "buckets, piecewise around attention; a multiple of 16; 0: eager); --enforce-eager "
+            "turns every graph off"
+        },
+    )
     overlap_scheduling: bool = field(
         default=True,
         metadata={

@@ -94,9 +94,10 @@ class StagingRing:
 
 @dataclass
 class Replay:
-    """One launched graph step: its logits rows and the staging slot its reader releases."""
+    """One launched graph step: its output rows (logits, or hidden states for prefill graphs)
+    and the staging slot its reader releases."""
 
-    logits: torch.Tensor
+    output: torch.Tensor
     slot: StagingSlot
     generation: int
 
@@ -132,6 +133,7 @@ class DecodeGraphs:
         self.logits = torch.zeros(n, model.spec.vocab_size, dtype=torch.float32, device=device)
         self.staging = StagingRing(STAGING_DEPTH, n, self.max_blocks, pinned=self.on_cuda)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.launches = 0  # steps served (tests and benchmarks read it)
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -222,6 +224,7 @@ class DecodeGraphs:
                 torch.cuda.synchronize()  # nothing may still read the slot we give back
             slot.release(generation)
             raise
+        self.launches += 1
         return Replay(self.logits[:n], slot, generation)
 
     def _stage_and_replay(

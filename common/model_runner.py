@@ -20,6 +20,7 @@ from common.attention import AttentionBackend, AttentionMetadata, ForwardContext
 from common.cuda_graphs import DecodeGraphs, Replay
 from common.kv_cache import KVCache
 from common.models.llama import LlamaForCausalLM
+from common.prefill_graphs import PrefillGraphs
 from common.sampler import SampledRows, Sampler, SamplingInputs, SamplingPlan, host_output
 from common.scheduler import SampledToken, ScheduledBatch
 from common.sequence import PLACEHOLDER
@@ -122,6 +123,7 @@ class ModelRunner:
         self.sampler = Sampler(model.spec.vocab_size, device)
         self.eos_token_ids = list(model.spec.eos_token_ids)
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         self._k_caches = kv_cache.k_caches
         self._v_caches = kv_cache.v_caches
 
@@ -132,6 +134,14 @@ class ModelRunner:
             self.model, self.backend, self.kv_cache, max_num_seqs, max_model_len, self.scale
         )
         return self.graphs.capture()
+
+    def capture_prefill_graphs(self, max_tokens: int) -> int:
+        """Capture piecewise graphs for prefill and mixed steps of up to `max_tokens` tokens
+        (on CPU: set up their buffers, steps run the same data flow eagerly); returns bytes."""
+        self.prefill_graphs = PrefillGraphs(
+            self.model, self.backend, self.kv_cache, max_tokens, self.scale
+        )
+        return self.prefill_graphs.capture()
 
     def release(self, request_id: str) -> None:
         """Forget per-request sampler state (noise key, token counts) once it has ended."""
@@ -223,7 +233,16 @@ class ModelRunner:
             handle.replay = self.graphs.launch(
                 h.input_ids, h.positions, h.slots, h.seq_lens, h.block_tables, h.row_keys, fill
             )
-            logits = handle.replay.logits
+            logits = handle.replay.output
+        elif (
+            self.prefill_graphs is not None
+            and not h.is_decode_only
+            and self.prefill_graphs.fits(len(h.input_ids))
+        ):
+            handle.replay = self.prefill_graphs.launch(
+                h.input_ids, h.positions, h.slots, self.metadata(h), fill, on_layer_done
+            )
+            logits = self._logits(h, handle.replay.output)
         else:
             logits = self._eager(h, fill, on_layer_done)
         try:
@@ -267,6 +286,10 @@ class ModelRunner:
         if fill is not None:
             input_ids.index_copy_(0, *fill)
         hidden = self.model(input_ids, self._tensor(h.positions, torch.int64), ctx)
+        return self._logits(h, hidden)
+
+    def _logits(self, h: HostInputs, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits of the sampling rows of `hidden` (one row per token)."""
         if not h.sample_rows:
             return None
         return self.model.compute_logits(hidden[self._tensor(h.logits_indices, torch.int64)])

@@ -19,10 +19,10 @@ from common.block_allocator import BlockAllocator
 from common.config import EngineConfig
 from common.kv_cache import DEFAULT_CPU_KV_BYTES, KVCache, gpu_kv_budget, num_blocks_for_budget
 from common.loader import ModelSource, build_model, read_spec, resolve_model
+from common.memory_probe import graph_margin, step_peak_bytes
 from common.model_runner import ModelRunner
 from common.model_spec import ModelSpec
 from common.sampling_params import SamplingParams
-from common.scheduler import ScheduledBatch, ScheduledSeq
 from common.sequence import Sequence
 from common.tokenizer import load_tokenizer
 
@@ -43,7 +43,9 @@ class RuntimeInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     cuda_graph_sizes: tuple[int, ...] = ()
-    cuda_graph_bytes: int = 0
+    cuda_graph_bytes: int = 0  # decode graphs (shared logits buffer included)
+    prefill_graph_buckets: tuple[int, ...] = ()  # token counts of the prefill/mixed graphs
+    prefill_graph_bytes: int = 0
 
 
 def pick_device(name: str) -> torch.device:
@@ -104,9 +106,13 @@ class Worker:
         self.allocator = BlockAllocator(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device)
         max_model_len = min(max_len, num_blocks * cc.block_size)
-        graph_bytes = 0
+        graph_bytes = prefill_graph_bytes = 0
         if self.use_graphs:
             graph_bytes = self.runner.capture_graphs(config.scheduler.max_num_seqs, max_model_len)
+            if config.prefill_graph_max_tokens:
+                max_tokens = config.prefill_graph_max_tokens
+                prefill_graph_bytes = self.runner.capture_prefill_graphs(max_tokens)
+        prefill = self.runner.prefill_graphs
         self.runtime = RuntimeInfo(
             model_name=self.source.name,
             device=str(self.device),
@@ -119,6 +125,8 @@ class Worker:
             eos_token_ids=self.spec.eos_token_ids,
             cuda_graph_sizes=tuple(self.runner.graphs.sizes) if self.runner.graphs else (),
             cuda_graph_bytes=graph_bytes,
+            prefill_graph_buckets=tuple(prefill.buckets) if prefill else (),
+            prefill_graph_bytes=prefill_graph_bytes,
         )
         log.info("worker ready: %s", self.runtime)
 
@@ -163,46 +171,25 @@ class Worker:
             self._profile_peak_memory(max_len)
             budget = gpu_kv_budget(self.device, cc.kv_memory_fraction)
             if self.use_graphs:
-                # Captured graphs keep one decode step's activations and the shared logits
-                # buffer in their own pool; measured here so the KV pool leaves room.
-                budget -= self._decode_step_bytes()
+                # Captured graphs keep their steps' activations (and the shared logits buffer)
+                # in their own pools; measured here so the KV pool leaves room.
+                budget -= self._graph_bytes()
         else:
             budget = DEFAULT_CPU_KV_BYTES
         return num_blocks_for_budget(self.spec, cc.block_size, self.dtype, budget)
 
-    def _decode_step_bytes(self) -> int:
-        """Peak memory of one eager decode step at max_num_seqs, plus a margin for graph
-        overhead: what the captured graphs hold, since every size shares one memory pool and
-        one logits buffer (the largest size's step is the peak)."""
-        n, bs = self.config.scheduler.max_num_seqs, self.config.cache.block_size
-        scratch = KVCache.allocate(self.spec, n, bs, self.dtype, self.device)
-        runner = ModelRunner(self.model, scratch, self.backend, self.device)
-        batch = ScheduledBatch()
-        for i in range(n):
-            seq = Sequence(f"probe-{i}", [0], SamplingParams(max_tokens=1))
-            seq.block_ids = [i]
-            batch.items.append(ScheduledSeq(seq, 0, 1))
-        torch.cuda.synchronize(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        runner.execute(batch)
-        torch.cuda.synchronize(self.device)
-        step = torch.cuda.max_memory_allocated(self.device) - base
-        del scratch, runner
-        torch.cuda.empty_cache()
-        return step + step // 4 + (64 << 20)
+    def _graph_bytes(self) -> int:
+        """What the captured graphs will hold, from eager steps of their largest shapes: the
+        decode sizes share one pool and one logits buffer (the largest size is the peak), the
+        prefill buckets another pool (the largest bucket is the peak)."""
+        bs, n = self.config.cache.block_size, self.config.scheduler.max_num_seqs
+        total = graph_margin(step_peak_bytes(self.model, self.backend, bs, [1] * n))
+        if self.config.prefill_graph_max_tokens:
+            tokens = [self.config.prefill_graph_max_tokens]
+            total += graph_margin(step_peak_bytes(self.model, self.backend, bs, tokens))
+        return total
 
     def _profile_peak_memory(self, max_len: int) -> None:
         """Run the largest step once on a scratch KV pool so the peak activation size is known."""
         sc, bs = self.config.scheduler, self.config.cache.block_size
-        num_tokens = min(sc.max_num_batched_tokens, max_len)
-        blocks = -(-num_tokens // bs)
-        scratch = KVCache.allocate(self.spec, blocks, bs, self.dtype, self.device)
-        runner = ModelRunner(self.model, scratch, self.backend, self.device)
-        seq = Sequence("profile", [0] * num_tokens, SamplingParams(max_tokens=1))
-        seq.block_ids = list(range(blocks))
-        torch.cuda.reset_peak_memory_stats(self.device)
-        runner.execute(ScheduledBatch([ScheduledSeq(seq, 0, num_tokens)]))
-        torch.cuda.synchronize(self.device)
-        del scratch, runner
-        torch.cuda.empty_cache()
+        step_peak_bytes(self.model, self.backend, bs, [min(sc.max_num_batched_tokens, max_len)])

@@ -1,0 +1,106 @@
+"""Prefill and mixed steps through the piecewise-graph path (`common/prefill_graphs.py`) on CPU,
+where nothing is captured but the data flow is the GPU's: padding to a token bucket, static
+buffers between pieces, eager attention at each boundary. Greedy output equals HF transformers.
+The capture itself is covered by tests/test_gpu_engine.py on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from common import LLM, SamplingParams
+from common.prefill_graphs import token_buckets
+from common.scheduler import ScheduledBatch, ScheduledSeq
+from common.sequence import Sequence
+from tests.hf_oracle import hf_greedy
+
+VOCAB = 320
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    torch.manual_seed(3)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.25,
+        tie_word_embeddings=False,
+    )
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    folder = tmp_path_factory.mktemp("prefill-graphs-llama")
+    hf.save_pretrained(folder)
+    return str(folder), hf
+
+
+def engine(folder: str, overlap: bool, max_tokens: int = 64) -> LLM:
+    llm = LLM(
+        folder,
+        device="cpu",
+        overlap_scheduling=overlap,
+        max_num_batched_tokens=48,  # long prompts run as chunks, mixed with decodes
+        kv_cache_memory_bytes=32 << 20,
+    )
+    llm.engine.worker.runner.capture_prefill_graphs(max_tokens)
+    return llm
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (3, 16, 40, 90, 130)]
+
+
+def test_token_buckets_grow_by_powers_then_by_256():
+    assert token_buckets(64) == [16, 32, 64]
+    assert token_buckets(1024) == [16, 32, 64, 128, 256, 512, 768, 1024]
+    assert token_buckets(1280) == [16, 32, 64, 128, 256, 512, 768, 1024, 1280]
+    with pytest.raises(ValueError, match="multiple of 16"):
+        token_buckets(100)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "synchronous"])
+def test_graph_path_prefill_and_mixed_steps_give_hf_greedy_output(model, overlap):
+    folder, hf = model
+    llm = engine(folder, overlap)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = llm.generate(prompts(), params)
+    for prompt, out in zip(prompts(), outs, strict=True):
+        assert out.token_ids == hf_greedy(hf, prompt, 10)
+    assert llm.engine.worker.runner.prefill_graphs.launches > 0
+
+
+def test_steps_above_the_largest_bucket_run_eagerly(model):
+    folder, hf = model
+    llm = LLM(folder, device="cpu", kv_cache_memory_bytes=32 << 20)  # 2048-token steps
+    llm.engine.worker.runner.capture_prefill_graphs(32)
+    prompt = prompts()[4]  # 130 tokens in one step
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1))[0]
+    assert out.token_ids == hf_greedy(hf, prompt, 1)
+    assert llm.engine.worker.runner.prefill_graphs.launches == 0
+
+
+def test_the_per_layer_hook_runs_after_each_layer_on_the_graph_path(model):
+    """The prefill node ships a layer's KV from this hook: it must see every layer, in order,
+    with that layer's KV already in the cache."""
+    folder, _ = model
+    llm = engine(folder, overlap=False)
+    worker = llm.engine.worker
+    prompt = prompts()[2]
+    seq = Sequence("hooked", prompt, SamplingParams(temperature=0, max_tokens=1))
+    seq.block_ids = worker.allocator.allocate(3)
+    slots = torch.tensor([seq.block_ids[p // 16] * 16 + p % 16 for p in range(len(prompt))])
+    seen = []
+
+    def hook(layer: int) -> None:
+        k_cache = worker.kv_cache.k_caches[layer]
+        written = k_cache.flatten(0, 1)[slots].abs().sum().item()
+        seen.append((layer, written > 0))
+
+    worker.runner.execute(ScheduledBatch([ScheduledSeq(seq, 0, len(prompt))]), hook)
+    assert seen == [(layer, True) for layer in range(3)]
+    assert worker.runner.prefill_graphs.launches == 1
