@@ -26,9 +26,10 @@ class StepEvent:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, worker: Worker | None = None) -> None:
+        """`worker`: one already built from the same config (benchmarks reuse a loaded model)."""
         self.config = config
-        self.worker = Worker(config)
+        self.worker = worker or Worker(config)
         self.scheduler = Scheduler(config.scheduler, self.worker.allocator)
         self.core = EngineCore(self.worker, self.scheduler, overlap=config.overlap_scheduling)
         self.sequences: dict[str, Sequence] = {}

@@ -53,10 +53,13 @@ class DecodeTiming:
 
 
 class DecodeNode:
-    def __init__(self, node_config: NodeConfig, engine_config: EngineConfig) -> None:
+    def __init__(
+        self, node_config: NodeConfig, engine_config: EngineConfig, worker: Worker | None = None
+    ) -> None:
+        """`worker`: one already built from `engine_config` (benchmarks reuse a loaded model)."""
         self.config = node_config
         self.colocated = node_config.colocated
-        self.worker = Worker(engine_config)
+        self.worker = worker or Worker(engine_config)
         self.scheduler = Scheduler(engine_config.scheduler, self.worker.allocator)
         self.core = EngineCore(
             self.worker, self.scheduler, overlap=engine_config.overlap_scheduling

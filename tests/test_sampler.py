@@ -350,3 +350,41 @@ def test_all_greedy_rows_take_the_argmax_fast_path() -> None:
         make_inputs([SamplingParams(temperature=0.0, logprobs=2), SamplingParams()]), (2, 10)
     )
     assert not mixed.greedy_only and mixed.logprob_rows == [0]
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_on_every_device_the_noise_bits_equal_the_host_hash(device: str) -> None:
+    x = torch.arange(0, 2**32, 2**20 + 7, dtype=torch.int64)
+    assert ops.hash32(x.to(device)).cpu().tolist() == [ops.hash32_int(v) for v in x.tolist()]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_on_every_device_top_p_without_sort_equals_the_sorted_nucleus(device: str) -> None:
+    logits = torch.randn(32, 4000) * torch.linspace(0.2, 6.0, 32).unsqueeze(1)
+    probs = logits.softmax(dim=-1).to(device)
+    threshold = ops.top_p_threshold(probs, torch.full((32,), 0.8, device=device)).cpu()
+    probs = probs.cpu()
+    for row in range(32):
+        kept = set(torch.nonzero(probs[row] >= threshold[row]).flatten().tolist())
+        assert kept == nucleus_by_sort(probs[row], 0.8), row
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_on_every_device_a_seeded_row_ignores_its_batch_neighbours(device: str) -> None:
+    logits = torch.randn(8, 3000, device=device)
+    params = [
+        SamplingParams(seed=9, top_p=0.9, top_k=100, frequency_penalty=0.4)
+        if i == 3
+        else SamplingParams(temperature=0.0 if i % 2 else 1.2, min_p=0.05)
+        for i in range(8)
+    ]
+    s = Sampler(3000, torch.device(device))
+    ids = [f"r{i}" for i in range(8)]
+    batch = s(logits, make_inputs(params, outputs=[[1, 2]] * 8, request_ids=ids)).token_ids
+    alone = Sampler(3000, torch.device(device))(
+        logits[3:4], make_inputs(params[3:4], outputs=[[1, 2]], request_ids=["r3"])
+    ).token_ids
+    assert batch[3] == alone[0]
