@@ -22,7 +22,7 @@ $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 't
 status=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout 420 $PY -m pytest -q -x -p no:cacheprovider tests/test_gpu_engine.py tests/test_triton_kernels.py \
-    tests/test_sampler.py tests/test_flash_attn_backend.py tests/test_kv_transfer.py 2>&1 | tail -15
+    tests/test_sampler.py tests/test_sampling_kernels.py tests/test_flash_attn_backend.py tests/test_kv_transfer.py 2>&1 | tail -15
   status=${PIPESTATUS[0]}
   if [ "${SMOKE:-0}" != 1 ]; then
     timeout 120 $PY benchmarks/gpu_checks.py 2>&1 | tail -3

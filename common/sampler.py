@@ -251,7 +251,7 @@ class Sampler:
             ops.top_p_mask_(x, top_p)
         if plan.uses_min_p:
             ops.min_p_mask_(x, min_p)
-        return ops.race(x, ops.exponential_noise(plan.row_keys, self.salts))
+        return ops.race(x, plan.row_keys, self.salts)
 
     def _end(self, plan: SamplingPlan) -> None:
         for request_id in plan.ephemeral:

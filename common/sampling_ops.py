@@ -3,8 +3,9 @@
 Everything here is batched over rows with no Python loop over rows or the vocabulary, has
 data-independent control flow (no host sync), and treats each row on its own, so a row's
 result does not depend on which rows share its batch. These torch versions run on every
-device; the sampler swaps in the fused Triton kernels of `common.kernels.sampling` on CUDA
-where they exist.
+device and are the reference; on CUDA `race` and `top_p_mask_` use the fused Triton kernels
+of `common.kernels.sampling` (one launch, one pass per row instead of ~20 / ~60 kernels over
+[S, V]).
 
 Noise: a row's draw is a pure function of (its request's key, its draw index, the token id):
 `hash32(salt[token] ^ row_key)`, where `row_key = draw_key(request key, draw index)` and the
@@ -14,6 +15,9 @@ overlaps or not, with no per-request generator state to carry or skip.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib.util
 
 import torch
 
@@ -134,7 +138,12 @@ def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 def top_p_mask_(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Sets tokens outside each row's top-p nucleus to -inf (in place); top_p >= 1 is off."""
     probs = logits.softmax(dim=-1)
-    threshold = top_p_threshold(probs, top_p)
+    if _use_triton(probs):
+        from common.kernels import sampling
+
+        threshold = sampling.top_p_threshold(probs, top_p)
+    else:
+        threshold = top_p_threshold(probs, top_p)
     threshold = torch.where(top_p >= 1.0, torch.zeros_like(threshold), threshold)
     return logits.masked_fill_(probs < threshold.unsqueeze(1), NEG_INF)
 
@@ -146,7 +155,21 @@ def min_p_mask_(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(probs < floor, NEG_INF)
 
 
-def race(logits: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """One token per row drawn from softmax(logits) by the exponential race argmax(p / q)."""
+def race(logits: torch.Tensor, row_keys: torch.Tensor, salts: torch.Tensor) -> torch.Tensor:
+    """One token per row drawn from softmax(logits) by the exponential race argmax(p / q),
+    q = `exponential_noise(row_keys, salts)`."""
     probs = logits.softmax(dim=-1)
-    return probs.div_(noise).argmax(dim=-1)
+    if _use_triton(probs):
+        from common.kernels import sampling
+
+        return sampling.race(probs, row_keys)
+    return probs.div_(exponential_noise(row_keys, salts)).argmax(dim=-1)
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and _triton_importable()

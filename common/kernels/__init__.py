@@ -3,6 +3,7 @@
 - `paged_attention`: varlen causal prefill and split-K decode over the paged KV pool.
 - `fused_ops`: RMSNorm (+ residual add), SiLU-and-mul, neox rotary, paged KV write.
 - `block_copy`: whole KV blocks from one pool into another, across GPUs too (cuda_ipc).
+- `sampling`: the sampler's exponential race and exact top-p threshold, one program per row.
 
 `triton.jit` decides at decoration time whether a kernel is compiled or interpreted, so these
 modules are imported only by the code that launches them (`common.ops`, the triton attention
