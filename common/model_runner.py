@@ -240,7 +240,7 @@ class ModelRunner:
             and self.prefill_graphs.fits(len(h.input_ids))
         ):
             handle.replay = self.prefill_graphs.launch(
-                h.input_ids, h.positions, h.slots, self.metadata(h), fill, on_layer_done
+                h.input_ids, h.positions, self.metadata(h), fill, on_layer_done
             )
             logits = self._logits(h, handle.replay.output)
         else:

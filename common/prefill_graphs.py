@@ -9,8 +9,10 @@ ends with the final norm. A step is num_layers + 1 replays and num_layers eager 
 calls instead of ~10 launches per layer.
 
 Data between pieces goes through static buffers: each piece ends by copying q, k, v into
-`q`, `k`, `v`, the eager attention (KV write included, padding rows at the pool's padding slot)
-writes `attn_out`, which the next piece reads; the last piece writes `hidden`. Logits of the
+`q`, `k`, `v`; the eager attention sees only the real tokens' rows (so every backend gets the
+shapes of an eager step, and padding rows write no KV) and writes them into `attn_out`, which
+the next piece reads (padding rows there hold stale, finite values: dense ops are row-wise); the
+last piece writes `hidden`. Logits of the
 sampling rows are projected eagerly from `hidden`. The per-layer hook (the prefill node ships a
 layer's KV) runs right after that layer's attention, as in an eager step.
 
@@ -59,9 +61,8 @@ class PrefillGraphs:
         spec, pool = model.spec, kv_cache.pool
         device, dtype = pool.device, model.lm_head.weight.dtype
         self.on_cuda = device.type == "cuda"
-        self._vectors = torch.zeros(3, n, dtype=torch.int64, device=device)  # ids, pos, slots
-        self._vectors[2] = kv_cache.padding_slot
-        self.input_ids, self.positions, self.slot_mapping = self._vectors
+        self._vectors = torch.zeros(2, n, dtype=torch.int64, device=device)  # ids, positions
+        self.input_ids, self.positions = self._vectors
         self.q = torch.zeros(n, spec.num_heads, spec.head_dim, dtype=dtype, device=device)
         self.k = torch.zeros(n, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
@@ -119,31 +120,27 @@ class PrefillGraphs:
         self,
         input_ids: list[int],
         positions: list[int],
-        slots: list[int],
         metadata: AttentionMetadata,
         fill_ids: tuple[torch.Tensor, torch.Tensor] | None = None,
         on_layer_done: LayerHook | None = None,
     ) -> Replay:
         """Stage one step's tokens (padded to its bucket) and run it; the Replay's output is
         the hidden states of the real tokens, [T, hidden]. `metadata` describes the real
-        tokens; its slot mapping is replaced by the padded static one. `fill_ids` as in
-        `DecodeGraphs.launch`."""
+        tokens, as for an eager step. `fill_ids` as in `DecodeGraphs.launch`."""
         n = len(input_ids)
         bucket = self.bucket(n)
         slot, generation = self.staging.acquire()
         try:
             stage = slot.vectors
-            stage[:3, :n] = torch.tensor([input_ids, positions, slots])
-            stage[0:2, n:bucket] = 0
-            stage[2, n:bucket] = self.kv_cache.padding_slot
-            self._vectors[:, :bucket].copy_(stage[:3, :bucket], non_blocking=True)
+            stage[:2, :n] = torch.tensor([input_ids, positions])
+            stage[:2, n:bucket] = 0
+            self._vectors[:, :bucket].copy_(stage[:2, :bucket], non_blocking=True)
             if fill_ids is not None:
                 self.input_ids.index_copy_(0, *fill_ids)
-            metadata.slot_mapping = self.slot_mapping[:bucket]
             if self.on_cuda:
-                self._replay(bucket, metadata, on_layer_done)
+                self._replay(bucket, n, metadata, on_layer_done)
             else:
-                self._run(bucket, _Boundary(self, bucket, metadata, on_layer_done))
+                self._run(bucket, _Boundary(self, bucket, (n, metadata), on_layer_done))
         except BaseException:
             if self.on_cuda:
                 torch.cuda.synchronize()
@@ -152,28 +149,31 @@ class PrefillGraphs:
         self.launches += 1
         return Replay(self.hidden[:n], slot, generation)
 
-    def _replay(self, bucket: int, metadata: AttentionMetadata, hook: LayerHook | None) -> None:
+    def _replay(
+        self, bucket: int, n: int, metadata: AttentionMetadata, hook: LayerHook | None
+    ) -> None:
         pieces = self.pieces[bucket]
         pieces[0].replay()
         for layer, piece in enumerate(pieces[1:]):
-            self.attend(layer, bucket, metadata, hook)
+            self.attend(layer, n, metadata, hook)
             piece.replay()
 
     def attend(
-        self, layer: int, bucket: int, metadata: AttentionMetadata, hook: LayerHook | None
+        self, layer: int, n: int, metadata: AttentionMetadata, hook: LayerHook | None
     ) -> None:
-        """The eager part between two pieces: layer `layer`'s attention over the static q, k,
-        v (writing its KV), into `attn_out`; then the per-layer hook."""
+        """The eager part between two pieces: layer `layer`'s attention over the first `n`
+        (real) rows of the static q, k, v (writing their KV), into `attn_out`; then the
+        per-layer hook."""
         out = self.backend.forward(
-            self.q[:bucket],
-            self.k[:bucket],
-            self.v[:bucket],
+            self.q[:n],
+            self.k[:n],
+            self.v[:n],
             self.kv_cache.k_caches[layer],
             self.kv_cache.v_caches[layer],
             metadata,
             self.scale,
         )
-        self.attn_out[:bucket].copy_(out)
+        self.attn_out[:n].copy_(out)
         if hook is not None:
             hook(layer)
 
@@ -181,19 +181,19 @@ class PrefillGraphs:
 class _Boundary(ForwardContext):
     """Stands in for the attention of each layer while the model runs over a bucket: copies q,
     k, v into the static buffers and returns the static attention output. Capturing (`pool`
-    given), that is where one piece's graph ends and the next begins; with `metadata` (CPU) the
-    attention runs right there, as a replay runs it between pieces; with neither (warm-up) it
-    does not run at all."""
+    given), that is where one piece's graph ends and the next begins; with `step` (the real
+    token count and metadata: CPU) the attention runs right there, as a replay runs it between
+    pieces; with neither (warm-up) it does not run at all."""
 
     def __init__(
         self,
         owner: PrefillGraphs,
         bucket: int,
-        metadata: AttentionMetadata | None,
+        step: tuple[int, AttentionMetadata] | None,
         hook: LayerHook | None,
         pool: object | None = None,
     ) -> None:
-        self.owner, self.bucket, self.run_metadata, self.hook = owner, bucket, metadata, hook
+        self.owner, self.bucket, self.step, self.hook = owner, bucket, step, hook
         self.pool = pool
         self.graphs: list[torch.cuda.CUDAGraph] = []
 
@@ -215,6 +215,6 @@ class _Boundary(ForwardContext):
         if self.pool is not None:
             self.end_piece()
             self.begin_piece()
-        elif self.run_metadata is not None:
-            o.attend(layer, b, self.run_metadata, self.hook)
+        elif self.step is not None:
+            o.attend(layer, *self.step, self.hook)
         return o.attn_out[:b]
