@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import random
 import statistics
@@ -118,16 +119,18 @@ def bench_decode_loop(args, ceil: dict | None, worker) -> list[dict]:
         worker.kv_cache.pool.normal_()  # never time attention over zeros
         kv_token = worker.spec.kv_bytes_per_token(worker.kv_cache.pool.element_size())
         wbytes = weight_bytes(worker.model)
-        driver = LoopDriver(node, prefill_address, args.context, args.min_new, args.max_new)
         runs = [("greedy", greedy_params, True), ("mixed", mixed_params, True)]
         if args.compare_sync:
             runs.append(("greedy", greedy_params, False))
         rows = []
-        for mix, params_fn, overlap in runs:
+        for context, (mix, params_fn, overlap) in itertools.product(args.decode_contexts, runs):
+            driver = LoopDriver(node, prefill_address, context, args.min_new, args.max_new)
             driver.params_fn, node.core.overlap = params_fn, overlap
-            for b in args.batches if overlap else [b for b in args.batches if b > 1]:
-                profile = args.profile and overlap and b == max(args.batches)
+            batches = args.decode_batches
+            for b in batches if overlap else [b for b in batches if b > 1]:
+                profile = args.profile and overlap and b == max(batches)
                 r = driver.run(b, args.steps, args.warmup, profile)
+                replay = replay_time(worker, b) if overlap and mix == "greedy" else None
                 driver.drain()
                 floor = None
                 if ceil is not None:
@@ -137,7 +140,9 @@ def bench_decode_loop(args, ceil: dict | None, worker) -> list[dict]:
                     "mix": mix,
                     "overlap": overlap,
                     "batch": b,
+                    "context": context,
                     "step_s": r.step_s,
+                    "graph_replay_s": replay,
                     "mean_running": r.mean_running,
                     "mean_context": r.mean_context,
                     "admitted": r.admitted,
@@ -153,6 +158,14 @@ def bench_decode_loop(args, ceil: dict | None, worker) -> list[dict]:
         drain.stop()
         node.receiver.close()
         node.channel.close()
+
+
+def replay_time(worker, batch: int) -> float | None:
+    """GPU time of the decode graph alone at `batch` (its last staged inputs replayed)."""
+    graphs = worker.runner.graphs
+    if graphs is None or not graphs.on_cuda or not graphs.fits(batch):
+        return None
+    return time_fn(graphs.graphs[graphs.padded_size(batch)].replay, 20, True)
 
 
 def bench_prefill(worker, ceil: dict | None, lengths: list[int], repeats: int) -> list[dict]:
@@ -219,8 +232,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--parts", nargs="+", default=["decode", "prefill", "throughput"],
                     choices=["decode", "prefill", "throughput"])  # fmt: skip
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
-    ap.add_argument("--context", type=int, default=1024, help="prompt tokens of decode requests")
+    ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 32, 128])
+    ap.add_argument(
+        "--decode-contexts", type=int, nargs="+", default=[1024], help="decode prompt tokens"
+    )
     ap.add_argument("--min-new", type=int, default=64, help="decode requests' max_tokens range")
     ap.add_argument("--max-new", type=int, default=192)
     ap.add_argument("--steps", type=int, default=200, help="measured decode steps per run")
@@ -243,7 +258,7 @@ def parse_args() -> argparse.Namespace:
     args = ap.parse_args()
     if args.smoke:
         args.model, args.load_format, args.dtype, args.device = "", "auto", "float32", "cpu"
-        args.batches, args.context, args.min_new, args.max_new = [1, 4], 48, 3, 6
+        args.decode_batches, args.decode_contexts, args.min_new, args.max_new = [1, 4], [48], 3, 6
         args.steps, args.warmup, args.prefill_lengths, args.repeats = 6, 2, [16, 64], 2
         args.requests, args.prompt_range, args.output_range = 6, [8, 24], [3, 6]
         args.max_num_seqs, args.max_num_batched_tokens, args.peers = 8, 256, []
@@ -268,7 +283,7 @@ def main() -> None:
     result["engine"] = engine_info(worker, args)
     print("engine:", result["engine"], flush=True)
     if "decode" in args.parts:
-        result["decode_loop"] = bench_decode_loop(args, ceil, worker)
+        result["decode"] = bench_decode_loop(args, ceil, worker)
     if "prefill" in args.parts:
         result["prefill"] = bench_prefill(worker, ceil, args.prefill_lengths, args.repeats)
     if "throughput" in args.parts:

@@ -137,7 +137,8 @@ class LoopDriver:
         self.admitted += 1
 
     def top_up(self, batch: int) -> None:
-        while len(self.node.scheduler.running) < batch:
+        scheduler = self.node.scheduler  # admitted requests wait in `ready` until scheduled
+        while len(scheduler.running) + len(scheduler.ready) < batch:
             self.admit()
 
     def run(self, batch: int, steps: int, warmup: int, profile: bool = False) -> LoopResult:
@@ -156,8 +157,10 @@ class LoopDriver:
         for _ in range(steps):
             node.step()
             self.top_up(batch)
-            running += len(node.scheduler.running)
-            contexts += sum(s.num_tokens for s in node.scheduler.running)
+            # The next step's rows: the running set and the admissions it takes in.
+            rows = [*node.scheduler.running, *node.scheduler.ready]
+            running += len(rows)
+            contexts += sum(s.num_tokens for s in rows)
         if node.worker.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start

@@ -30,9 +30,11 @@ def print_table(result: dict) -> None:
             f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
             f"bf16 matmul {ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s"
         )
-    rows = result.get("decode_loop") or []
+    rows = result.get("decode") or []
     if rows:
-        print("decode node loop          batch  running  context  ms/step  floor ms   ratio")
+        print(
+            "decode node loop          batch  running  context  ms/step  floor ms  replay ms  ratio"
+        )
     for r in rows:
         loop = "overlapped " if r["overlap"] else "synchronous"
         target = DECODE_TARGETS.get((r["mix"], r["batch"])) if r["overlap"] else None
@@ -42,7 +44,8 @@ def print_table(result: dict) -> None:
             check += f" {_verdict(ratio <= target)} <= {target}"
         print(
             f"  {r['mix']:<6} {loop} {r['batch']:>6} {r['mean_running']:>8.1f} "
-            f"{r['mean_context']:>8.0f} {_ms(r['step_s'])} {_ms(r['hbm_floor_s'])}  {check}"
+            f"{r['mean_context']:>8.0f} {_ms(r['step_s'])} {_ms(r['hbm_floor_s'])}  "
+            f"{_ms(r['graph_replay_s'])}  {check}"
         )
     for r in result.get("prefill") or []:
         line = f"prefill {r['tokens']:>5} tok {_ms(r['time_s'])} ms"
@@ -95,9 +98,11 @@ def plot(result: dict, path: Path) -> None:
     except ImportError:
         return
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    rows = [r for r in result.get("decode_loop") or [] if r["ratio_to_floor"] is not None]
+    rows = [r for r in result.get("decode") or [] if r["ratio_to_floor"] is not None]
     if rows:
-        labels = [f"{r['mix'][0]}{'' if r['overlap'] else 's'}{r['batch']}" for r in rows]
+        labels = [
+            f"{r['mix'][0]}{'' if r['overlap'] else 's'}{r['batch']}/{r['context']}" for r in rows
+        ]
         axes[0].bar(labels, [r["ratio_to_floor"] for r in rows])
         axes[0].axhline(1.15, color="red", linestyle="--", label="greedy target 1.15")
         axes[0].set_ylabel("decode-node step / HBM floor")
