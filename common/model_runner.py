@@ -70,7 +70,9 @@ class StepHandle:
         items = self.batch.items
         return {items[r].seq.request_id: i for i, r in enumerate(self.sample_rows)}
 
-    def _copy_out(self, out: SampledRows, plan: SamplingPlan) -> None:
+    def set_sampled(self, out: SampledRows, plan: SamplingPlan) -> None:
+        """Keep the step's sampled ids on the device and queue their copy to pinned host
+        memory (one copy, a second only when some row asked for logprobs) and an event."""
         self.token_ids, self.plan = out.token_ids, plan
         if out.token_ids.device.type != "cuda":
             self._host = (out.token_ids, out.logprobs)
@@ -266,7 +268,7 @@ class ModelRunner:
                 request_ids=[s.request_id for s in seqs],
             )
             plan = self.sampler.plan(inputs, tuple(logits.shape))
-            handle._copy_out(self.sampler.sample(logits, plan), plan)
+            handle.set_sampled(self.sampler.sample(logits, plan), plan)
 
     def _eager(
         self,
