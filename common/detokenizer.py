@@ -16,7 +16,11 @@ CONTEXT_TOKENS = 5
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str] | None = None
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        stop: list[str] | None = None,
+        skip_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.token_ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
@@ -27,6 +31,7 @@ class IncrementalDetokenizer:
         self.text = ""  # all final output text decoded so far (stop string excluded once matched)
         self.released = 0  # characters of `text` already handed out
         self.stopped_on: str | None = None
+        self.skip_special_tokens = skip_special_tokens
 
     def add(self, token_ids: list[int]) -> str:
         """Feed new tokens; return the text that is now safe to emit."""
@@ -60,9 +65,12 @@ class IncrementalDetokenizer:
     def _decode_step(self) -> str:
         decode = self.tokenizer.decode
         prefix = decode(
-            self.token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=True
+            self.token_ids[self.prefix_offset : self.read_offset],
+            skip_special_tokens=self.skip_special_tokens,
         )
-        full = decode(self.token_ids[self.prefix_offset :], skip_special_tokens=True)
+        full = decode(
+            self.token_ids[self.prefix_offset :], skip_special_tokens=self.skip_special_tokens
+        )
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.token_ids)

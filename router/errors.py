@@ -50,6 +50,14 @@ def from_validation_errors(errors: list[dict[str, Any]]) -> OpenAIError:
     """Pydantic / FastAPI validation errors as one 400 naming the first offending field."""
     if not errors:
         return invalid("invalid request")
+    extra = [e for e in errors if e.get("type") == "extra_forbidden"]
+    if extra:
+        loc = [str(p) for p in extra[0].get("loc", ()) if p != "body"]
+        return invalid(
+            f"unsupported field `{'.'.join(loc)}`: pdserve does not implement it (ignoring it "
+            "could change the output)",
+            param=loc[0] if loc else None,
+        )
     parts = []
     for error in errors[:3]:
         loc = [str(p) for p in error.get("loc", ()) if p not in ("body",)]

@@ -2,22 +2,23 @@
 
 Two steps: `prepare_chat` / `prepare_completion` need only the tokenizer; `apply_limits` needs
 the context length and vocabulary of the nodes chosen for the request (known from their
-heartbeats), checks the prompt against them and fills the default `max_tokens`.
+heartbeats), checks the prompt against them and fills the default `max_tokens`. Every field
+that would change the output is honoured here or refused with a 400 that names it
+(`refuse_unsupported`); none is dropped on the floor.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from common.sampling_params import MAX_LOGPROBS, SamplingParams
-from common.tokenizer import apply_chat_template
+from router.chat import chat_prompt_ids, template_tools
 from router.errors import OpenAIError, invalid
 from router.protocol import ChatCompletionRequest, CompletionRequest, _GenerationFields
 
-ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 SEED_RANGE = (-(2**63), 2**63 - 1)  # what msgpack and torch generators accept
 
 
@@ -35,10 +36,68 @@ class PreparedRequest:
     stream: bool
     include_usage: bool
     return_logprobs: bool  # the client asked for per-token logprobs
+    skip_special_tokens: bool = True
 
     @property
     def prompt_field(self) -> str:
         return "messages" if self.kind == "chat" else "prompt"
+
+
+def _unset(value: Any) -> bool:
+    return value is None
+
+
+def _false(value: Any) -> bool:
+    return not value
+
+
+# (field, neutral value test, what to do instead). A field here is accepted only at its
+# neutral value, anything else is a 400 naming it: pdserve does not implement it.
+UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("best_of", lambda v: v in (None, 1), "several candidates per choice are not supported"),
+    ("use_beam_search", _false, "beam search is not supported"),
+    ("length_penalty", lambda v: v in (None, 1.0), "length_penalty needs beam search"),
+    ("include_stop_str_in_output", _false, "stop strings are never included in the output"),
+    ("spaces_between_special_tokens", lambda v: v in (None, True), "it must be true"),
+    ("prompt_logprobs", _unset, "prompt logprobs are not supported"),
+    ("truncate_prompt_tokens", _unset, "prompts are never truncated; shorten the prompt"),
+    ("guided_json", _unset, "use response_format json_schema"),
+    ("guided_regex", _unset, "regex constraints are not supported"),
+    ("guided_choice", _unset, "use response_format json_schema with an enum"),
+    ("guided_grammar", _unset, "grammar constraints are not supported"),
+    ("structured_outputs", _unset, "use response_format"),
+    ("functions", _unset, "use tools"),
+    ("function_call", _unset, "use tool_choice"),
+    ("modalities", lambda v: v in (None, ["text"]), "only text output is supported"),
+    ("audio", _unset, "audio output is not supported"),
+    ("prediction", _unset, "predicted outputs are not supported"),
+    ("reasoning_effort", _unset, "use chat_template_kwargs (for Qwen3: enable_thinking)"),
+    ("web_search_options", _unset, "web search is not supported"),
+    ("mm_processor_kwargs", _unset, "multimodal inputs are not supported"),
+    ("echo", _false, "echo is not supported"),
+    ("suffix", _false, "suffix (insertion) is not supported"),
+    ("n", lambda v: v in (None, 1), "n must be 1 (several choices are not supported yet)"),
+    ("logit_bias", _false, "logit_bias is not supported yet"),
+    ("tools", _false, "tool calling is not supported yet"),
+    ("tool_choice", lambda v: v in (None, "none", "auto"), "tool calling is not supported yet"),
+)
+
+
+def refuse_unsupported(req: _GenerationFields) -> None:
+    for name, neutral, hint in UNSUPPORTED:
+        value = getattr(req, name, None)
+        if not neutral(value):
+            raise invalid(f"{name} is not supported by pdserve: {hint}", name)
+    options = req.stream_options
+    if options is not None and options.continuous_usage_stats:
+        raise invalid(
+            "stream_options.continuous_usage_stats is not supported: usage comes in the last "
+            "chunk (include_usage)",
+            "stream_options",
+        )
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        raise invalid(f"response_format {fmt.type} is not supported yet", "response_format")
 
 
 def check_model(requested: str | None, names: Sequence[str]) -> None:
@@ -53,13 +112,8 @@ def check_model(requested: str | None, names: Sequence[str]) -> None:
 
 
 def prepare_chat(req: ChatCompletionRequest, tokenizer: Any) -> PreparedRequest:
-    if not req.messages:
-        raise invalid("messages must be a non-empty list", "messages")
-    messages = [_template_message(i, m.role, m.content) for i, m in enumerate(req.messages)]
-    try:
-        ids = apply_chat_template(tokenizer, messages)
-    except Exception as exc:  # jinja errors, a missing template, a missing tokenizer
-        raise invalid(f"cannot apply the chat template: {exc}", "messages") from None
+    refuse_unsupported(req)
+    ids = chat_prompt_ids(req, tokenizer, template_tools(req.tools))
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
@@ -72,12 +126,7 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Any) -> PreparedRequest:
 
 
 def prepare_completion(req: CompletionRequest, tokenizer: Any) -> PreparedRequest:
-    if req.echo:
-        raise invalid("echo is not supported", "echo")
-    if req.suffix:
-        raise invalid("suffix is not supported", "suffix")
-    if req.best_of is not None and req.best_of != 1:
-        raise invalid("best_of must be 1 (several candidates are not supported)", "best_of")
+    refuse_unsupported(req)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -86,7 +135,8 @@ def prepare_completion(req: CompletionRequest, tokenizer: Any) -> PreparedReques
     if isinstance(prompt, str):
         if tokenizer is None:
             raise invalid("this model has no tokenizer: send the prompt as token ids", "prompt")
-        ids = list(tokenizer.encode(prompt, add_special_tokens=True))
+        add_special = req.add_special_tokens is not False
+        ids = list(tokenizer.encode(prompt, add_special_tokens=add_special))
     else:
         ids = list(prompt)
     return _prepared("completion", ids, req, req.max_tokens, req.logprobs)
@@ -121,28 +171,6 @@ def apply_limits(prepared: PreparedRequest, limits: ModelLimits) -> PreparedRequ
             "max_tokens",
         )
     return dataclasses.replace(prepared, params=params)
-
-
-def _template_message(index: int, role: str, content: Any) -> dict[str, str]:
-    if role not in ROLES:
-        raise invalid(
-            f"messages[{index}].role must be one of {sorted(ROLES)}, got {role!r}", "messages"
-        )
-    if content is None:
-        text = ""
-    elif isinstance(content, str):
-        text = content
-    else:
-        texts = []
-        for part in content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise invalid(
-                    f"messages[{index}].content: only text parts are supported, got {part.get('type')!r}",
-                    "messages",
-                )
-            texts.append(part["text"])
-        text = "\n".join(texts)
-    return {"role": "system" if role == "developer" else role, "content": text}
 
 
 def _prepared(
@@ -183,7 +211,15 @@ def _prepared(
         raise invalid(str(exc), _param_named_in(str(exc))) from None
     stream = bool(req.stream)
     include_usage = stream and bool(req.stream_options and req.stream_options.include_usage)
-    return PreparedRequest(kind, ids, params, stream, include_usage, logprobs is not None)
+    return PreparedRequest(
+        kind,
+        ids,
+        params,
+        stream,
+        include_usage,
+        logprobs is not None,
+        skip_special_tokens=req.skip_special_tokens is not False,
+    )
 
 
 def _param_named_in(message: str) -> str | None:

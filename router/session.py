@@ -72,7 +72,9 @@ class Session:
         self.deadline = marks.arrival + core.config.request_timeout
         stop = prepared.params.stop
         self.detok = (
-            IncrementalDetokenizer(tokenizer, prepared.prompt_token_ids, stop)
+            IncrementalDetokenizer(
+                tokenizer, prepared.prompt_token_ids, stop, prepared.skip_special_tokens
+            )
             if tokenizer is not None
             else _NoText()
         )

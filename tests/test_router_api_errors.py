@@ -79,7 +79,7 @@ BAD_REQUESTS = [
     ("messages_not_a_list", CHAT, {"messages": "hi"}, "messages"),
     ("unknown_role", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ("image_part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
-    ("n_above_one", CHAT, {"messages": HI, "n": 2}, "n"),
+    ("n_zero", CHAT, {"messages": HI, "n": 0}, "n"),
     ("negative_max_tokens", TEXT, {"prompt": "a", "max_tokens": -1}, "max_tokens"),
     ("zero_max_tokens", TEXT, {"prompt": "a", "max_tokens": 0}, "max_tokens"),
     ("absurd_max_tokens", TEXT, {"prompt": "a", "max_tokens": 10**12}, "max_tokens"),
