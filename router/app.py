@@ -1,7 +1,7 @@
 """`create_app(config)`: the FastAPI application of the router.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
-GET /metrics. Every error leaves as OpenAI-shaped JSON; nothing a request does can stop the
+GET /metrics, POST /tokenize, POST /detokenize, GET /version. Every error leaves as OpenAI-shaped JSON; nothing a request does can stop the
 server. The ZMQ sockets are opened at startup unless a `link` is injected (tests), in which
 case the caller feeds events through `app.state.core.on_message` and sweeps liveness itself.
 """
@@ -28,6 +28,7 @@ from router.errors import OpenAIError, error_body, from_validation_errors
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.node_link import NodeLink, ZmqNodeLink
 from router.serving import GenerationHandler
+from router.tokens import add_token_routes
 
 log = logging.getLogger(__name__)
 
@@ -100,18 +101,25 @@ def create_app(
     async def completions(request: Request) -> Any:
         return await handler("completion", request)
 
+    def max_model_len() -> int | None:
+        lens = [n.info["max_model_len"] for n in core.registry.nodes.values() if n.alive]
+        return min(lens) if lens else None
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        lens = [n.info["max_model_len"] for n in core.registry.nodes.values() if n.alive]
         card = {
             "id": served,
             "object": "model",
             "created": created,
             "owned_by": "pdserve",
-            "root": source.name,
-            "max_model_len": min(lens) if lens else None,
+            # A path AutoTokenizer loads from (what `vllm bench serve --tokenizer` needs).
+            "root": str(source.directory),
+            "parent": None,
+            "max_model_len": max_model_len(),
         }
         return {"object": "list", "data": [card]}
+
+    add_token_routes(app, tokenizer, names, max_model_len)
 
     @app.get("/health")
     async def health() -> JSONResponse:
