@@ -1,8 +1,10 @@
 """GGUF checkpoints, turned once into a Hugging Face directory we can load quickly.
 
 transformers dequantizes GGUF tensors on load (tens of seconds); we do that once per file and
-keep config, safetensors weights and tokenizer under `envs.cache_dir()`, keyed by the file's
-path, size and mtime. Every later process loads the cached directory like any HF checkpoint.
+serving dtype and keep config, safetensors weights (in that dtype: a bfloat16 server does not
+read, nor store, float32 copies) and tokenizer under `envs.cache_dir()`, keyed by the file's
+path, size, mtime and the dtype. Every later process loads the cached directory like any HF
+checkpoint.
 """
 
 from __future__ import annotations
@@ -17,12 +19,18 @@ from pathlib import Path
 from common import envs
 
 
-def cached_hf_dir(gguf_path: Path) -> Path:
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def cached_hf_dir(gguf_path: Path, dtype: str = "float32") -> Path:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     stat = gguf_path.stat()
     key = hashlib.sha256(
         f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
     ).hexdigest()
-    return envs.cache_dir() / "gguf" / f"{gguf_path.stem}-{key[:12]}"
+    suffix = "" if dtype == "float32" else f"-{dtype}"  # float32 keeps its earlier name
+    return envs.cache_dir() / "gguf" / f"{gguf_path.stem}-{key[:12]}{suffix}"
 
 
 def _save_plain_checkpoint(model, folder: Path) -> None:
@@ -40,16 +48,18 @@ def _save_plain_checkpoint(model, folder: Path) -> None:
     save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
 
 
-def materialize_gguf(gguf_path: Path) -> Path:
-    """Return an HF model directory holding `gguf_path`'s dequantized float32 weights."""
-    target = cached_hf_dir(gguf_path)
+def materialize_gguf(gguf_path: Path, dtype: str = "float32") -> Path:
+    """Return an HF model directory holding `gguf_path`'s weights dequantized to `dtype`."""
+    target = cached_hf_dir(gguf_path, dtype)
     if (target / "config.json").exists():
         return target
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf_path.parent), gguf_path.name
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=getattr(torch, dtype)
+    )
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     target.parent.mkdir(parents=True, exist_ok=True)
     # Write into a temporary sibling and rename, so concurrent processes never see half a dir.

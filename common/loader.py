@@ -1,8 +1,10 @@
 """Find a checkpoint, read its spec, build our model and fill its weights.
 
-Sources: an HF directory (config.json + *.safetensors, sharded or not), a GGUF file (through
-transformers, cached as an HF directory), the embedded SmolLM2 GGUF when no model is named, or
-`load_format="dummy"`: random weights from a config.json alone, for benchmarks.
+Sources: an HF directory (config.json + *.safetensors, sharded or not), a hub id (`org/name`)
+whose snapshot is in the local Hugging Face cache (`common/hub.py`), a GGUF file (through
+transformers, converted once to the serving dtype and cached as an HF directory), the embedded
+SmolLM2 GGUF when no model is named, or `load_format="dummy"`: random weights from a
+config.json alone, for benchmarks.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from common.embedded import embedded_gguf_path
 from common.gguf_cache import materialize_gguf
+from common.hub import ModelNotFound, cached_snapshot, looks_like_hub_id
 from common.model_spec import ModelSpec
 from common.models.llama import STACKED_PARAMS, LlamaForCausalLM
 
@@ -30,23 +33,32 @@ class ModelSource:
     name: str  # what /v1/models reports
 
 
-def resolve_model(model: str | None) -> ModelSource:
+def resolve_model(model: str | None, dtype: str = "float32") -> ModelSource:
+    """The checkpoint `model` names. `dtype` is the serving dtype: a GGUF file is converted to
+    it (once per file and dtype). Raises `ModelNotFound` (a ValueError) with one line that says
+    where it looked and what to do."""
     if model is None:
         gguf = embedded_gguf_path()
-        return ModelSource(materialize_gguf(gguf), "SmolLM2-135M-Instruct")
+        return ModelSource(materialize_gguf(gguf, dtype), "SmolLM2-135M-Instruct")
     path = Path(model).expanduser()
+    name = path.name
+    if not path.exists() and looks_like_hub_id(model):
+        path, name = cached_snapshot(model), model
     if path.is_file() and path.suffix == ".gguf":
-        return ModelSource(materialize_gguf(path), path.stem)
+        return ModelSource(materialize_gguf(path, dtype), path.stem)
     if path.is_file() and path.name == "config.json":
         path = path.parent
     if not path.is_dir():
-        raise ValueError(f"model {model!r} is not a directory, a config.json or a .gguf file")
+        raise ModelNotFound(
+            f"model {model!r} is not a directory, a config.json, a .gguf file or a hub id "
+            "(org/name) in the Hugging Face cache"
+        )
     if not (path / "config.json").exists():
         ggufs = sorted(path.glob("*.gguf"))
         if ggufs:
-            return ModelSource(materialize_gguf(ggufs[0]), path.name)
-        raise ValueError(f"model directory {path} has no config.json")
-    return ModelSource(path, path.name)
+            return ModelSource(materialize_gguf(ggufs[0], dtype), name)
+        raise ModelNotFound(f"model directory {path} has no config.json")
+    return ModelSource(path, name)
 
 
 def read_spec(source: ModelSource) -> ModelSpec:

@@ -76,7 +76,9 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = pick_dtype(mc.dtype, self.device)
-        self.source: ModelSource = resolve_model(mc.model)
+        self.source: ModelSource = resolve_model(
+            mc.model, dtype=str(self.dtype).removeprefix("torch.")
+        )
         self.spec: ModelSpec = read_spec(self.source)
         max_len = mc.max_model_len or self.spec.max_position_embeddings
         if not config.scheduler.enable_chunked_prefill:
