@@ -18,7 +18,6 @@ from pathlib import Path
 
 from common import envs
 
-
 DTYPES = ("float32", "bfloat16", "float16")
 
 
