@@ -82,6 +82,9 @@ class BlockAllocator:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._hash_to_block: dict[int, int] = {}
         self._block_to_hash: dict[int, int] = {}
+        # Prefix-cache lookups since start (what the stats line's hit rate is made of).
+        self.prefix_queried_blocks = 0
+        self.prefix_hit_blocks = 0
 
     @property
     def num_available(self) -> int:
@@ -111,6 +114,7 @@ class BlockAllocator:
             assert self._refcounts[block_id] == 0 and block_id not in self._block_to_hash
             self._refcounts[block_id] = 1
             block_ids.append(block_id)
+        self.prefix_hit_blocks += len(block_ids)
         return block_ids
 
     def free(self, block_ids: Iterable[int]) -> None:
@@ -155,6 +159,7 @@ class BlockAllocator:
         if not self.enable_prefix_caching:
             return []
         block_ids: list[int] = []
+        self.prefix_queried_blocks += len(block_hashes)
         for block_hash in block_hashes:
             block_id = self._hash_to_block.get(block_hash)
             if block_id is None:
@@ -163,6 +168,7 @@ class BlockAllocator:
                 del self._evictable[block_id]
             self._refcounts[block_id] += 1
             block_ids.append(block_id)
+        self.prefix_hit_blocks += len(block_ids)
         return block_ids
 
     def register_full_block(self, block_id: int, block_hash: int) -> None:

@@ -21,17 +21,28 @@ class ModelConfig:
         metadata={"help": "HF directory, .gguf file, or none for the embedded SmolLM2"},
     )
     load_format: str = field(
-        default="auto", metadata={"help": "auto (weights from the checkpoint) or dummy (random)"}
+        default="auto",
+        metadata={
+            "help": "auto (weights from the checkpoint) or dummy (random)",
+            "choices": ("auto", "dummy"),
+        },
     )
     dtype: str = field(
         default="auto",
-        metadata={"help": "auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16"},
+        metadata={
+            "help": "auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16",
+            "choices": ("auto", "float32", "bfloat16", "float16"),
+        },
     )
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:N"})
     max_model_len: int | None = field(
         default=None, metadata={"help": "longest prompt + output; default: the model's"}
     )
     seed: int = field(default=0, metadata={"help": "seed for dummy weights"})
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,16 @@ class CacheConfig:
         default=True, metadata={"help": "reuse KV of identical prompt prefixes"}
     )
 
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        for name in ("kv_cache_memory_bytes", "num_kv_blocks"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -65,6 +86,11 @@ class SchedulerConfig:
         default=True, metadata={"help": "split long prompts across steps"}
     )
 
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -72,7 +98,11 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     attention_backend: str = field(
-        default="auto", metadata={"help": "auto, torch, triton, flash_attn"}
+        default="auto",
+        metadata={
+            "help": "auto, torch, triton, flash_attn",
+            "choices": ("auto", "torch", "triton", "flash_attn"),
+        },
     )
     enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs"})
     prefill_graph_max_tokens: int = field(
@@ -132,6 +162,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str =
         default = f.default if f.default is not dataclasses.MISSING else None
         kind = _scalar_type(hints[f.name])
         help_text = f.metadata.get("help", "")
+        choices = f.metadata.get("choices")
         if kind is bool:
             parser.add_argument(
                 flag,
@@ -146,6 +177,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str =
                 dest=f.name,
                 type=kind,
                 default=default,
+                choices=choices,
                 help=f"{help_text} (default: {default})",
             )
 

@@ -10,6 +10,8 @@ config.json alone, for benchmarks.
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,8 @@ from common.gguf_cache import materialize_gguf
 from common.hub import ModelNotFound, cached_snapshot, looks_like_hub_id
 from common.model_spec import ModelSpec
 from common.models.llama import STACKED_PARAMS, LlamaForCausalLM
+
+log = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "dummy")
 
@@ -113,10 +117,41 @@ def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
         raise ValueError(
             f"no *.safetensors files in {directory} (use load_format='dummy' for random weights)"
         )
+    total = 0
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            total += len(handle.keys())
+    progress = _Progress(total)
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                tensor = handle.get_tensor(name)
+                progress.tensor_done(tensor.numel() * tensor.element_size())
+                yield name, tensor
+
+
+class _Progress:
+    """Logs weight loading at most every 2 s and once at the end, so a node that loads a
+    large checkpoint shows how far it is."""
+
+    def __init__(self, num_tensors: int) -> None:
+        self.total, self.done, self.bytes = num_tensors, 0, 0
+        self.start = self.last = time.monotonic()
+
+    def tensor_done(self, nbytes: int) -> None:
+        self.done += 1
+        self.bytes += nbytes
+        now = time.monotonic()
+        if now - self.last >= 2.0 or self.done == self.total:
+            self.last = now
+            log.info(
+                "loading weights: %d/%d tensors (%.0f%%), %.2f GB in %.1f s",
+                self.done,
+                self.total,
+                100.0 * self.done / self.total,
+                self.bytes / 1e9,
+                now - self.start,
+            )
 
 
 def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:

@@ -25,7 +25,9 @@ class NodeConfig:
     transport: str = field(
         default="zmq",
         metadata={
-            "help": "KV transport: zmq (any host), cuda_ipc (same host, falls back to zmq framing)"
+            "help": "KV transport: zmq (any host), cuda_ipc (same host, falls back to zmq "
+            "framing); loopback is for in-process tests",
+            "choices": ("zmq", "cuda_ipc", "loopback"),
         },
     )
     ipc_stream_min_tokens: int = field(

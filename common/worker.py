@@ -46,6 +46,7 @@ class RuntimeInfo:
     cuda_graph_bytes: int = 0  # decode graphs (shared logits buffer included)
     prefill_graph_buckets: tuple[int, ...] = ()  # token counts of the prefill/mixed graphs
     prefill_graph_bytes: int = 0
+    weight_bytes: int = 0
 
 
 def pick_device(name: str) -> torch.device:
@@ -129,6 +130,7 @@ class Worker:
             cuda_graph_bytes=graph_bytes,
             prefill_graph_buckets=tuple(prefill.buckets) if prefill else (),
             prefill_graph_bytes=prefill_graph_bytes,
+            weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
         )
         log.info("worker ready: %s", self.runtime)
 

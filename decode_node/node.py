@@ -270,9 +270,12 @@ class DecodeNode:
         self.core.release(request_id)
 
     def _load(self) -> dict[str, int]:
-        stats = self.worker.allocator.stats()
+        allocator = self.worker.allocator
+        stats = allocator.stats()
         return {
             "free_blocks": stats.num_free + stats.num_cached,
+            "prefix_queried_blocks": allocator.prefix_queried_blocks,
+            "prefix_hit_blocks": allocator.prefix_hit_blocks,
             "used_blocks": stats.num_used,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting)

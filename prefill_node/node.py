@@ -281,11 +281,14 @@ class PrefillNode:
             seq.block_ids = []
 
     def _load(self) -> dict[str, int]:
-        stats = self.worker.allocator.stats()
+        allocator = self.worker.allocator
+        stats = allocator.stats()
         queued = sum(s.num_pending_tokens for s in self.scheduler.waiting)
         queued += sum(s.num_pending_tokens for s in self.scheduler.running)
         return {
             "free_blocks": stats.num_free + stats.num_cached,
+            "prefix_queried_blocks": allocator.prefix_queried_blocks,
+            "prefix_hit_blocks": allocator.prefix_hit_blocks,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting)
             + sum(1 for j in self.jobs.values() if j.seq is None),

@@ -28,7 +28,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         host=config.host,
         port=config.port,
         log_level=config.log_level.lower(),
-        access_log=False,
+        access_log=config.access_log,
         timeout_graceful_shutdown=3,
     )
 

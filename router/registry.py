@@ -109,6 +109,7 @@ class NodeRegistry:
                 "last_heartbeat_age_s": age,
                 "pid": (node.info or {}).get("pid"),
                 "device": (node.info or {}).get("device"),
+                "info": node.info,
                 "load": node.load,
             }
             if node.problem:

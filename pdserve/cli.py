@@ -1,0 +1,46 @@
+"""`pdserve serve [MODEL] [flags]`: parse and validate every flag, resolve the model once (a
+hub id from the local Hugging Face cache, a GGUF converted to the serving dtype), then launch.
+
+Errors in flags or in the model name end with one line and exit code 2 before any process
+starts; `pdserve serve --help` lists every launcher, engine/node and router flag.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from pdserve.flags import build_parser
+
+USAGE_ERROR = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from pdserve.plan import configs_from_args, gpu_count, plan, serving_dtype
+
+    try:
+        configs = configs_from_args(args)
+    except ValueError as exc:
+        args.serve_parser.error(str(exc))
+    gpus = gpu_count()
+    dtype = serving_dtype(configs.engines["decode"], gpus)
+    from common.loader import resolve_model  # imports torch: only once the flags are good
+
+    try:
+        source = resolve_model(configs.launch.model, dtype=dtype)
+    except ValueError as exc:  # ModelNotFound and every other "this is not a model" case
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    from pdserve.launcher import Launcher
+
+    return Launcher(plan(configs, str(source.directory), source.name, gpus)).run()
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

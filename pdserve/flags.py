@@ -1,0 +1,168 @@
+"""Every flag of `pdserve serve`, derived from the config dataclasses, and the configs built
+from them. Nothing here imports torch, so `--help` and flag errors are instant.
+
+Three groups: the launcher's own flags (`LaunchConfig`); engine and node flags (the fields of
+`EngineConfig` and `NodeConfig`), which apply to both pools, with hidden `--prefill-X` /
+`--decode-X` forms that set one pool only (they win over `--X`); and the router's flags
+(`RouterConfig`), also accepted as `--router-X`. Addresses are the launcher's business and
+have no flag. Every flag defaults to None here so that only the flags a user gave override
+the dataclass defaults, which stay in one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.config import _SUBCONFIGS, EngineConfig, _scalar_type
+from common.node_config import NodeConfig
+from router.config import RouterConfig, add_router_args
+
+POOLS = ("prefill", "decode")
+NODE_ONLY = {"control_address", "router_address", "kv_address", "colocated", "model"}
+ROUTER_ONLY = {"model", "served_model_name", "host", "port", "prefill", "decode", "events_address"}
+
+
+def _gpu_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated GPU ids, got {text!r}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    model: str | None = field(
+        default=None,
+        metadata={"help": "HF directory, hub id (org/name) in the HF cache, or .gguf file; "
+                  "none = the embedded SmolLM2-135M-Instruct"},
+    )  # fmt: skip
+    served_model_name: str | None = field(
+        default=None, metadata={"help": "model name in the API (default: the model's name)"}
+    )
+    host: str = field(default="127.0.0.1", metadata={"help": "router HTTP address"})
+    port: int = field(default=8000, metadata={"help": "router HTTP port"})
+    num_prefill: int = field(default=1, metadata={"help": "prefill processes"})
+    num_decode: int = field(default=1, metadata={"help": "decode processes"})
+    colocated: bool = field(
+        default=False, metadata={"help": "no prefill pool: each decode node prefills (baseline)"}
+    )
+    prefill_gpus: tuple[int, ...] = field(
+        default=(), metadata={"help": "GPU ids of the prefill pool (node i gets entry i mod n)"}
+    )
+    decode_gpus: tuple[int, ...] = field(
+        default=(), metadata={"help": "GPU ids of the decode pool (node i gets entry i mod n)"}
+    )
+    zmq_base_port: int = field(
+        default=5600,
+        metadata={"help": "router events = base, prefill i = base+1+i, decode j = base+101+j, "
+                  "its KV = base+201+j"},
+    )  # fmt: skip
+    health_timeout: float = field(
+        default=600.0, metadata={"help": "seconds to wait for every node to be healthy"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.num_decode < 1 or (self.num_prefill < 1 and not self.colocated):
+            raise ValueError(
+                f"need at least one decode node and (unless --colocated) one prefill node, got "
+                f"num_prefill={self.num_prefill}, num_decode={self.num_decode}"
+            )
+        if not 0 < self.port < 65536 or not 0 < self.zmq_base_port < 65536 - 300:
+            raise ValueError(f"bad ports: port={self.port}, zmq_base_port={self.zmq_base_port}")
+        if self.health_timeout <= 0:
+            raise ValueError(f"health_timeout must be > 0, got {self.health_timeout}")
+
+    @property
+    def prefill_count(self) -> int:
+        return 0 if self.colocated else self.num_prefill
+
+
+def engine_fields() -> list[tuple[dataclasses.Field, Any]]:
+    """(field, type hint) of every engine and node flag, in --help order."""
+    out = []
+    for cls in (*_SUBCONFIGS.values(), EngineConfig, NodeConfig):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in NODE_ONLY or (cls is EngineConfig and f.name in _SUBCONFIGS):
+                continue
+            out.append((f, hints[f.name]))
+    return out
+
+
+def router_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(RouterConfig) if f.name not in ROUTER_ONLY]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="prefill/decode LLM serving")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve",
+        help="start the router and the prefill and decode pools",
+        description="Start the router and the prefill and decode pools on this host; Ctrl-C "
+        "or SIGTERM stops every process.",
+    )
+    serve.add_argument("model_arg", nargs="?", metavar="MODEL", help="same as --model")
+    launch = serve.add_argument_group("launcher")
+    hints = typing.get_type_hints(LaunchConfig)
+    for f in dataclasses.fields(LaunchConfig):
+        _add(launch, "--" + f.name.replace("_", "-"), f.name, hints[f.name], f, hidden=False)
+    engine = serve.add_argument_group(
+        "engine and node flags",
+        "Each applies to both pools; --prefill-X / --decode-X set it for one pool only (e.g. "
+        "--decode-max-num-seqs 64, --prefill-no-enable-prefix-caching).",
+    )
+    for f, hint in engine_fields():
+        name = f.name.replace("_", "-")
+        _add(engine, f"--{name}", f"all__{f.name}", hint, f, hidden=False)
+        for pool in POOLS:
+            _add(engine, f"--{pool}-{name}", f"{pool}__{f.name}", hint, f, hidden=True)
+    parser.set_defaults(serve_parser=serve)  # cli.main reports config errors through it
+    router = serve.add_argument_group("router flags", "Also accepted as --router-X.")
+    add_router_args(router, router_fields(), dest_prefix="router__", default=None)
+    add_router_args(
+        router, router_fields(), prefix="router-", dest_prefix="router__", default=None, hidden=True
+    )
+    return parser
+
+
+def _add(
+    group: Any, flag: str, dest: str, hint: Any, f: dataclasses.Field, *, hidden: bool
+) -> None:
+    help_text = argparse.SUPPRESS if hidden else _help(f)
+    kind = _scalar_type(hint)
+    if kind is bool:
+        negative = "--no-" + flag[2:]
+        if flag.startswith(("--prefill-", "--decode-")):  # --prefill-no-X, as launch_pd.sh had
+            pool, rest = flag[2:].split("-", 1)
+            negative = f"--{pool}-no-{rest}"
+        group.add_argument(flag, dest=dest, action="store_const", const=True, help=help_text)
+        group.add_argument(
+            negative, dest=dest, action="store_const", const=False, help=argparse.SUPPRESS
+        )
+        return
+    if hint == tuple[int, ...]:
+        kind = _gpu_list
+    group.add_argument(
+        flag,
+        dest=dest,
+        type=kind,
+        choices=f.metadata.get("choices"),
+        metavar=None if f.metadata.get("choices") else f.name.upper(),
+        help=help_text,
+    )
+
+
+def _help(f: dataclasses.Field) -> str:
+    text = f.metadata.get("help", "")
+    default = f.default if f.default is not dataclasses.MISSING else None
+    if isinstance(default, bool):
+        return f"{text} (default: on; --no-X turns it off)" if default else f"{text} (default: off)"
+    shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+    return f"{text} (default: {shown if shown not in (None, '') else 'none'})"

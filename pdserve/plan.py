@@ -1,0 +1,186 @@
+"""From parsed `pdserve serve` flags to validated configs, then to the processes to start.
+
+`configs_from_args` builds every config the flags describe, so a bad value fails (ValueError
+with the offending value) before any process starts. `plan` then lays the processes out: the
+ports of `--zmq-base-port`, the GPU of each node, and each process's command line, which holds
+only the values that differ from the dataclass defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from common.config import EngineConfig
+from common.node_config import NodeConfig
+from pdserve.flags import POOLS, LaunchConfig, engine_fields, router_fields
+from router.config import RouterConfig
+
+NODE_FIELDS = {f.name for f in dataclasses.fields(NodeConfig)}
+
+
+@dataclass(frozen=True)
+class Configs:
+    launch: LaunchConfig
+    engines: dict[str, EngineConfig]  # by pool: "prefill", "decode"
+    nodes: dict[str, NodeConfig]
+    router: dict[str, Any]  # RouterConfig fields the user set (addresses come from the plan)
+
+
+@dataclass(frozen=True)
+class NodeProcess:
+    name: str  # prefill-0, decode-1, ...
+    role: str  # prefill | decode | colocated
+    address: str  # control address, the node's id in /health
+    argv: list[str]
+
+
+@dataclass(frozen=True)
+class Plan:
+    configs: Configs
+    model_name: str
+    nodes: list[NodeProcess]
+    router_argv: list[str]
+    url: str
+
+
+def configs_from_args(args: argparse.Namespace) -> Configs:
+    """Every config the flags describe; ValueError names the bad value."""
+    launch_values = {f.name: getattr(args, f.name) for f in dataclasses.fields(LaunchConfig)}
+    if args.model_arg is not None:
+        if launch_values["model"] not in (None, args.model_arg):
+            raise ValueError(f"two models given: {args.model_arg!r} and {launch_values['model']!r}")
+        launch_values["model"] = args.model_arg
+    launch = LaunchConfig(**{k: v for k, v in launch_values.items() if v is not None})
+    engines, nodes = {}, {}
+    for pool in POOLS:
+        options = {}
+        for f, _ in engine_fields():
+            value = getattr(args, f"{pool}__{f.name}")
+            options[f.name] = value if value is not None else getattr(args, f"all__{f.name}")
+        given = {k: v for k, v in options.items() if v is not None}
+        node = {k: v for k, v in given.items() if k in NODE_FIELDS}
+        nodes[pool] = NodeConfig(**node, colocated=launch.colocated and pool == "decode")
+        engine = {k: v for k, v in given.items() if k not in NODE_FIELDS}
+        engines[pool] = EngineConfig.from_options(model=launch.model, **engine)
+    router = {f.name: getattr(args, f"router__{f.name}") for f in router_fields()}
+    router = {k: v for k, v in router.items() if v is not None}
+    RouterConfig(decode=("check",), **router)  # validates the values the user gave
+    return Configs(launch, engines, nodes, router)
+
+
+def serving_dtype(engine: EngineConfig, gpu_count: int) -> str:
+    """The dtype a pool computes in: what `Worker` picks for `--dtype auto`."""
+    if engine.model.dtype != "auto":
+        return engine.model.dtype
+    on_gpu = engine.model.device.startswith("cuda") or (
+        engine.model.device == "auto" and gpu_count > 0
+    )
+    return "bfloat16" if on_gpu else "float32"
+
+
+def gpu_count() -> int:
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+def plan(configs: Configs, model_dir: str, model_name: str, gpus: int) -> Plan:
+    launch = configs.launch
+    base = launch.zmq_base_port
+    events = f"tcp://127.0.0.1:{base}"
+    prefill_gpus, decode_gpus = launch.prefill_gpus, launch.decode_gpus
+    if gpus and not (prefill_gpus or decode_gpus):
+        # Default pools: prefill on the first GPUs, decode on the next ones (shared if too few).
+        prefill_gpus = tuple(range(launch.prefill_count))
+        decode_gpus = tuple((launch.prefill_count + j) % gpus for j in range(launch.num_decode))
+    nodes = []
+    for i in range(launch.prefill_count):
+        address = f"tcp://127.0.0.1:{base + 1 + i}"
+        node = dataclasses.replace(
+            configs.nodes["prefill"], control_address=address, router_address=events
+        )
+        argv = _node_argv("prefill_node", configs.engines["prefill"], node, model_dir,
+                          _gpu(prefill_gpus, i), gpus)  # fmt: skip
+        nodes.append(NodeProcess(f"prefill-{i}", "prefill", address, argv))
+    for j in range(launch.num_decode):
+        address = f"tcp://127.0.0.1:{base + 101 + j}"
+        node = dataclasses.replace(
+            configs.nodes["decode"],
+            control_address=address,
+            router_address=events,
+            kv_address=f"tcp://127.0.0.1:{base + 201 + j}",
+        )
+        argv = _node_argv("decode_node", configs.engines["decode"], node, model_dir,
+                          _gpu(decode_gpus, j), gpus)  # fmt: skip
+        role = "colocated" if launch.colocated else "decode"
+        nodes.append(NodeProcess(f"decode-{j}", role, address, argv))
+    router = RouterConfig(
+        model=model_dir,
+        served_model_name=launch.served_model_name or model_name,
+        host=launch.host,
+        port=launch.port,
+        prefill=tuple(n.address for n in nodes if n.role == "prefill"),
+        decode=tuple(n.address for n in nodes if n.role != "prefill"),
+        events_address=events,
+        **configs.router,
+    )
+    router_argv = [sys.executable, "-m", "router", *_flags(router)]
+    url = f"http://{launch.host}:{launch.port}"
+    return Plan(configs, router.served_model_name, nodes, router_argv, url)
+
+
+def _gpu(gpus: tuple[int, ...], i: int) -> int | None:
+    return gpus[i % len(gpus)] if gpus else None
+
+
+def _node_argv(
+    module: str,
+    engine: EngineConfig,
+    node: NodeConfig,
+    model_dir: str,
+    gpu: int | None,
+    gpus: int,
+) -> list[str]:
+    options = engine.flat_options()
+    options["model"] = model_dir
+    if options["device"] == "auto":
+        # Every process sees every GPU and is pinned with --device cuda:N, so that a prefill
+        # node can open a decode node's KV pool through CUDA IPC.
+        options["device"] = f"cuda:{gpu}" if gpu is not None else ("cuda" if gpus else "cpu")
+    defaults = EngineConfig().flat_options()
+    argv = [sys.executable, "-m", module]
+    for name, value in options.items():
+        if value != defaults[name] or name in ("model", "device"):
+            argv += _flag(name, value)
+    return argv + _flags(node)
+
+
+def _flags(config: Any) -> list[str]:
+    """Flags for the fields of `config` that differ from their defaults."""
+    out = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if value != f.default:
+            out += _flag(f.name, value)
+    return out
+
+
+def _flag(name: str, value: Any) -> list[str]:
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return [flag] if value else ["--no-" + flag[2:]]
+    if value is None:
+        return []
+    if isinstance(value, tuple):
+        return [flag, ",".join(map(str, value))]
+    return [flag, str(value)]

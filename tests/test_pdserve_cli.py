@@ -1,0 +1,139 @@
+"""The `pdserve` command: one --help with every launcher, engine/node and router flag (derived
+from the config dataclasses), flags and model names validated before anything starts, and a
+`pip install .` that gives a working `pdserve serve --help`."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import site
+import subprocess
+import sys
+import venv
+
+import pytest
+
+from pdserve.cli import main
+from pdserve.flags import LaunchConfig, build_parser, engine_fields, router_fields
+from pdserve.plan import configs_from_args, plan
+from tests.pd_stack import ROOT
+
+PACKAGES = ("common", "router", "prefill_node", "decode_node", "kv_transfer", "pdserve")
+
+
+def every_flag() -> list[str]:
+    names = [f.name for f in dataclasses.fields(LaunchConfig)]
+    names += [f.name for f, _ in engine_fields()] + [f.name for f in router_fields()]
+    return ["--" + name.replace("_", "-") for name in names]
+
+
+def serve_help() -> str:
+    parser = build_parser()
+    return parser.parse_args(["serve"]).serve_parser.format_help()
+
+
+def test_serve_help_lists_every_launcher_engine_node_and_router_flag():
+    text = serve_help()
+    for flag in every_flag():
+        assert flag in text, flag
+    assert "{auto,float32,bfloat16,float16}" in text and "{zmq,cuda_ipc,loopback}" in text
+
+
+def parse(*argv: str):
+    return configs_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+def test_flags_set_both_pools_and_pool_prefixes_override_one():
+    configs = parse(
+        "my/model", "--max-num-seqs", "8", "--decode-max-num-seqs", "4",
+        "--prefill-no-enable-prefix-caching", "--transport", "cuda_ipc",
+        "--request-timeout", "30", "--router-heartbeat-timeout", "2",
+    )  # fmt: skip
+    assert configs.launch.model == "my/model"
+    assert configs.engines["prefill"].scheduler.max_num_seqs == 8
+    assert configs.engines["decode"].scheduler.max_num_seqs == 4
+    assert not configs.engines["prefill"].cache.enable_prefix_caching
+    assert configs.engines["decode"].cache.enable_prefix_caching
+    assert configs.nodes["prefill"].transport == configs.nodes["decode"].transport == "cuda_ipc"
+    assert configs.router == {"request_timeout": 30.0, "heartbeat_timeout": 2.0}
+
+
+def test_plan_gives_each_node_its_ports_gpu_and_only_non_default_flags():
+    configs = parse("--num-prefill", "2", "--zmq-base-port", "7000", "--decode-max-num-seqs", "4")
+    p = plan(configs, "/models/m", "m", gpus=4)
+    prefill0, prefill1, decode0 = p.nodes
+    assert prefill0.argv[1:3] == ["-m", "prefill_node"]
+    assert (
+        "--device" in prefill1.argv
+        and prefill1.argv[prefill1.argv.index("--device") + 1] == "cuda:1"
+    )
+    assert decode0.argv[decode0.argv.index("--device") + 1] == "cuda:2"
+    assert decode0.argv[decode0.argv.index("--kv-address") + 1] == "tcp://127.0.0.1:7201"
+    assert "--max-num-seqs" in decode0.argv and "--max-num-seqs" not in prefill0.argv
+    router = p.router_argv
+    assert router[router.index("--prefill") + 1] == "tcp://127.0.0.1:7001,tcp://127.0.0.1:7002"
+    assert router[router.index("--served-model-name") + 1] == "m"
+    colocated = plan(parse("--colocated", "--num-decode", "2"), "/m", "m", gpus=0)
+    assert [n.role for n in colocated.nodes] == ["colocated", "colocated"]
+    assert all("--colocated" in n.argv and "cpu" in n.argv for n in colocated.nodes)
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--dtype", "float64"], "invalid choice"),
+        (["--transport", "carrier-pigeon"], "invalid choice"),
+        (["--max-num-seqs", "many"], "invalid int"),
+        (["--num-decode", "0"], "num_decode=0"),
+        (["--block-size", "0"], "block_size must be >= 1"),
+        (["--decode-kv-memory-fraction", "1.5"], "kv_memory_fraction"),
+        (["--stats-interval", "-1"], "stats_interval"),
+        (["--no-such-flag"], "unrecognized arguments"),
+        (["a/b", "--model", "c/d"], "two models"),
+    ],
+)
+def test_bad_flags_stop_with_exit_code_2_before_anything_starts(capsys, argv, needle):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", *argv])
+    assert exit_info.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_a_model_missing_from_the_hub_cache_is_one_line_and_exit_code_2(tmp_path):
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    run = subprocess.run(
+        [sys.executable, "-m", "pdserve", "serve", "no-org/no-model"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in run.stderr
+    assert str(tmp_path / "hf") in lines[0] and "hf download no-org/no-model" in lines[0]
+
+
+def test_pip_install_gives_a_pdserve_command_whose_help_lists_every_flag(tmp_path):
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for package in PACKAGES:
+        shutil.copytree(
+            ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=False)
+    # The new venv sees this one's packages (pip, setuptools; nothing is downloaded), but
+    # not its editable pdserve: only the copy installed here can answer.
+    (next(env_dir.glob("lib/python*/site-packages")) / "host.pth").write_text(
+        "\n".join(site.getsitepackages()) + "\n"
+    )
+    pip = [str(env_dir / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps"]
+    subprocess.run(
+        [*pip, "--no-build-isolation", "--no-index", str(source)], check=True, timeout=300
+    )
+    run = subprocess.run(
+        [str(env_dir / "bin" / "pdserve"), "serve", "--help"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=60, check=True,
+    )  # fmt: skip
+    for flag in every_flag():
+        assert flag in run.stdout, flag
