@@ -28,6 +28,7 @@ from router.errors import OpenAIError, error_body, from_validation_errors
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.node_link import NodeLink, ZmqNodeLink
 from router.serving import GenerationHandler
+from router.stats import log_stats_forever
 from router.tokens import add_token_routes
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,8 @@ def create_app(
                 asyncio.create_task(core.sweep_forever()),
             ]
             log.info("router listening for node events on %s", config.events_address)
+            if config.stats_interval > 0:
+                tasks.append(asyncio.create_task(log_stats_forever(core, config.stats_interval)))
         try:
             yield
         finally:

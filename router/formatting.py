@@ -48,29 +48,32 @@ class ResponseFormatter:
         self.tokenizer = tokenizer
         self.logprobs = logprobs
         self.include_usage = include_usage
-        self._role_sent = False
-        self._text_offset = 0
+        self._role_sent: set[int] = set()  # choices whose first chunk (with the role) went out
+        self._text_offset: dict[int, int] = {}  # per choice, across chunks
         self._token_text: dict[int, str] = {}
 
     def chunk(self, delta: Delta, timing: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """The stream chunk for one delta, or None when it carries nothing for the client.
 
         Every delta that carries tokens gets a chunk, even when its text is empty (held back
-        for a stop string, an incomplete UTF-8 sequence, or a model without a tokenizer), as
-        vLLM does: clients time tokens by the chunks they receive."""
-        if not (delta.text or delta.finish_reason or delta.pieces):
-            if self.kind == "completion" or self._role_sent:
+        for a stop string, an incomplete UTF-8 sequence, a possible tool call, or a model
+        without a tokenizer), as vLLM does: clients time tokens by the chunks they receive."""
+        if not (delta.text or delta.finish_reason or delta.tool_calls or delta.pieces):
+            if self.kind == "completion" or delta.index in self._role_sent:
                 return None
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": delta.index}
         if self.kind == "chat":
-            body: dict[str, Any] = {} if self._role_sent else {"role": "assistant"}
-            if delta.text or delta.pieces or not self._role_sent:
+            first = delta.index not in self._role_sent
+            body: dict[str, Any] = {"role": "assistant"} if first else {}
+            if delta.text or ((delta.pieces or first) and not delta.tool_calls):
                 body["content"] = delta.text
-            self._role_sent = True
+            if delta.tool_calls:
+                body["tool_calls"] = delta.tool_calls
+            self._role_sent.add(delta.index)
             choice["delta"] = body
         else:
             choice["text"] = delta.text
-        choice["logprobs"] = self._logprobs(delta.pieces) if self.logprobs else None
+        choice["logprobs"] = self._logprobs(delta.pieces, delta.index) if self.logprobs else None
         choice["finish_reason"] = delta.finish_reason
         out = self._envelope(
             f"{self._object()}.chunk" if self.kind == "chat" else "text_completion"
@@ -90,23 +93,28 @@ class ResponseFormatter:
         return out
 
     def response(
-        self,
-        text: str,
-        pieces: list[TokenPiece],
-        finish_reason: str | None,
-        usage: dict[str, int],
-        timing: dict[str, Any],
+        self, choices: list[Delta], usage: dict[str, int], timing: dict[str, Any]
     ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
-        if self.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice["logprobs"] = self._logprobs(pieces) if self.logprobs else None
-        choice["finish_reason"] = finish_reason
+        """The whole body; each Delta holds one choice's complete text, tokens and ending."""
         out = self._envelope(self._object())
-        out.update(choices=[choice], usage=usage, timing=timing)
+        out.update(choices=[self._choice(c) for c in choices], usage=usage, timing=timing)
         return out
+
+    def _choice(self, whole: Delta) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": whole.index}
+        if self.kind == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": whole.text}
+            if whole.tool_calls:
+                message["content"] = whole.text if whole.text.strip() else None
+                message["tool_calls"] = [
+                    {k: v for k, v in call.items() if k != "index"} for call in whole.tool_calls
+                ]
+            choice["message"] = message
+        else:
+            choice["text"] = whole.text
+        choice["logprobs"] = self._logprobs(whole.pieces, whole.index) if self.logprobs else None
+        choice["finish_reason"] = whole.finish_reason
+        return choice
 
     def _object(self) -> str:
         return "chat.completion" if self.kind == "chat" else "text_completion"
@@ -114,15 +122,17 @@ class ResponseFormatter:
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
 
-    def _logprobs(self, pieces: list[TokenPiece]) -> dict[str, Any]:
+    def _logprobs(self, pieces: list[TokenPiece], index: int) -> dict[str, Any]:
         if self.kind == "chat":
             return {"content": [self._chat_entry(p) for p in pieces]}
         tokens, offsets = [], []
+        offset = self._text_offset.get(index, 0)
         for piece in pieces:
             token = self._text(piece.token_id)
             tokens.append(token)
-            offsets.append(self._text_offset)
-            self._text_offset += len(token)
+            offsets.append(offset)
+            offset += len(token)
+        self._text_offset[index] = offset
         return {
             "tokens": tokens,
             "token_logprobs": [_finite(p.logprob) for p in pieces],

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.sampling_params import MAX_LOGPROBS, SamplingParams
-from router.chat import chat_prompt_ids, template_tools
+from router.chat import chat_prompt_ids
 from router.errors import OpenAIError, invalid
 from router.protocol import ChatCompletionRequest, CompletionRequest, _GenerationFields
+from router.tools import ToolPlan, plan_tools
 
 SEED_RANGE = (-(2**63), 2**63 - 1)  # what msgpack and torch generators accept
 
@@ -37,6 +38,7 @@ class PreparedRequest:
     include_usage: bool
     return_logprobs: bool  # the client asked for per-token logprobs
     skip_special_tokens: bool = True
+    tools: ToolPlan | None = None  # how the text becomes tool calls (chat with tools only)
 
     @property
     def prompt_field(self) -> str:
@@ -78,8 +80,6 @@ UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("suffix", _false, "suffix (insertion) is not supported"),
     ("n", lambda v: v in (None, 1), "n must be 1 (several choices are not supported yet)"),
     ("logit_bias", _false, "logit_bias is not supported yet"),
-    ("tools", _false, "tool calling is not supported yet"),
-    ("tool_choice", lambda v: v in (None, "none", "auto"), "tool calling is not supported yet"),
 )
 
 
@@ -111,9 +111,14 @@ def check_model(requested: str | None, names: Sequence[str]) -> None:
         )
 
 
-def prepare_chat(req: ChatCompletionRequest, tokenizer: Any) -> PreparedRequest:
+def prepare_chat(
+    req: ChatCompletionRequest, tokenizer: Any, tool_parser: str = "hermes"
+) -> PreparedRequest:
     refuse_unsupported(req)
-    ids = chat_prompt_ids(req, tokenizer, template_tools(req.tools))
+    tools = plan_tools(req, tool_parser)
+    if tools is not None and tools.constrained:
+        raise invalid(f"tool_choice {req.tool_choice!r} is not supported yet", "tool_choice")
+    ids = chat_prompt_ids(req, tokenizer, tools.tools if tools else None)
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
@@ -122,7 +127,8 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Any) -> PreparedRequest:
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
-    return _prepared("chat", ids, req, max_tokens, logprobs)
+    prepared = _prepared("chat", ids, req, max_tokens, logprobs)
+    return dataclasses.replace(prepared, tools=tools)
 
 
 def prepare_completion(req: CompletionRequest, tokenizer: Any) -> PreparedRequest:

@@ -26,8 +26,9 @@ from router.errors import OpenAIError, error_body, from_validation_errors
 from router.formatting import SSE_DONE, ResponseFormatter, sse
 from router.prepare import apply_limits, check_model, prepare_chat, prepare_completion
 from router.protocol import ChatCompletionRequest, CompletionRequest
-from router.session import Session
+from router.session import Delta, Session
 from router.timing import TimingMarks
+from router.tools import ToolShaper, pick_parser
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class GenerationHandler:
         self.core = core
         self.tokenizer = tokenizer
         self.model_names = model_names  # the served name first, then accepted aliases
+        self.tool_parser = pick_parser(core.config.tool_call_parser, tokenizer)
 
     async def __call__(self, kind: str, request: Request) -> Response:
         arrival = self.core.clock()
@@ -86,7 +88,7 @@ class GenerationHandler:
             raise from_validation_errors(list(errors)) from None
         check_model(parsed.model, self.model_names)
         if isinstance(parsed, ChatCompletionRequest):
-            prepared = prepare_chat(parsed, self.tokenizer)
+            prepared = prepare_chat(parsed, self.tokenizer, self.tool_parser)
         else:
             prepared = prepare_completion(parsed, self.tokenizer)
         route = self.core.route()
@@ -126,29 +128,31 @@ class GenerationHandler:
         return collect.result()
 
     async def _collect(self, session: Session, formatter: ResponseFormatter) -> Response:
-        text, pieces = [], []
+        shaper = ToolShaper(session.prepared.tools)
+        choices: dict[int, Delta] = {}
         try:
             async for delta in session.deltas():
-                text.append(delta.text)
-                pieces += delta.pieces
+                delta = shaper.shape(delta)
+                whole = choices.setdefault(delta.index, Delta("", index=delta.index))
+                whole.text += delta.text
+                whole.pieces += delta.pieces
+                whole.tool_calls = (whole.tool_calls or []) + (delta.tool_calls or []) or None
+                whole.finish_reason = delta.finish_reason or whole.finish_reason
         except OpenAIError as exc:
             return exc.response()
         except Exception:
             log.exception("request %s failed", session.request_id)
             session.status = 500
             return JSONResponse(error_body(500, "internal error"), status_code=500)
-        body = formatter.response(
-            "".join(text),
-            pieces,
-            session.finish_reason,
-            session.usage(),
-            session.timing().to_dict(),
-        )
+        ordered = [choices[i] for i in sorted(choices)]
+        body = formatter.response(ordered, session.usage(), session.timing().to_dict())
         return JSONResponse(body)
 
     async def _stream(self, session: Session, formatter: ResponseFormatter) -> AsyncIterator[str]:
+        shaper = ToolShaper(session.prepared.tools)
         try:
             async for delta in session.deltas():
+                delta = shaper.shape(delta)
                 timing = session.timing().to_dict() if delta.finish_reason else None
                 chunk = formatter.chunk(delta, timing)
                 if chunk is not None:

@@ -38,6 +38,8 @@ class Delta:
     text: str
     pieces: list[TokenPiece] = field(default_factory=list)
     finish_reason: str | None = None
+    index: int = 0  # the choice it belongs to
+    tool_calls: list[dict[str, Any]] | None = None  # parsed from the text (router.tools)
 
 
 class _NoText:

@@ -120,7 +120,7 @@ def test_completion_logprobs_track_text_offsets_across_chunks():
 
 def test_non_streaming_bodies():
     usage = {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
-    body = chat().response("hi", [TokenPiece(0)], "length", usage, {"e2e": 0.5})
+    body = chat().response([Delta("hi", [TokenPiece(0)], "length")], usage, {"e2e": 0.5})
     assert body["object"] == "chat.completion"
     assert body["choices"] == [
         {
@@ -131,8 +131,31 @@ def test_non_streaming_bodies():
         }
     ]
     assert body["usage"] == usage and body["timing"] == {"e2e": 0.5}
-    text = completion().response("hi", [], "stop", usage, {})
+    text = completion().response([Delta("hi", [], "stop")], usage, {})
     assert text["object"] == "text_completion" and text["choices"][0]["text"] == "hi"
+
+
+def test_tool_calls_in_a_body_and_in_stream_chunks():
+    call = {"index": 0, "id": "call_1", "type": "function",
+            "function": {"name": "f", "arguments": "{}"}}  # fmt: skip
+    usage = {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+    body = chat().response([Delta(" ", [], "tool_calls", tool_calls=[call])], usage, {})
+    message = body["choices"][0]["message"]
+    assert message["content"] is None and message["tool_calls"] == [
+        {k: v for k, v in call.items() if k != "index"}
+    ]
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
+    fmt = chat()
+    first = fmt.chunk(Delta("", [], tool_calls=[call]))
+    assert first["choices"][0]["delta"] == {"role": "assistant", "tool_calls": [call]}
+
+
+def test_several_choices_get_their_own_index_role_and_text_offsets():
+    fmt = ResponseFormatter("chat", "c", "m", 1, None)
+    a, b = fmt.chunk(Delta("x", index=0)), fmt.chunk(Delta("y", index=2))
+    assert a["choices"][0]["index"] == 0 and b["choices"][0]["index"] == 2
+    assert a["choices"][0]["delta"]["role"] == b["choices"][0]["delta"]["role"] == "assistant"
+    assert "role" not in fmt.chunk(Delta("z", index=2))["choices"][0]["delta"]
 
 
 def test_without_a_tokenizer_tokens_are_named_by_id():
