@@ -67,6 +67,13 @@ class EngineCore:
     def step(self, before_launch: BeforeLaunch | None = None) -> list[StepOutput]:
         """Run one step. Synchronous: its output. Overlapped: launch the next step, then return
         the previous one's output. [] when there was nothing to resolve."""
+        early: list[StepOutput] = []
+        sync = self._needs_host_tokens()
+        if sync and self._in_flight is not None:
+            early.append(self._resolve(self._in_flight))  # see _needs_host_tokens
+            self._in_flight = None
+            self.scheduler.hold_frees = False
+            self.worker.allocator.free(self.scheduler.take_held())
         batch = self.scheduler.schedule()
         # Blocks released before this schedule belong to no sequence of `batch`; the step in
         # flight may still write them, so they wait for it (`Scheduler.hold_frees`).
@@ -87,13 +94,24 @@ class EngineCore:
             outputs.insert(0, self._resolve(self._in_flight))
         self._in_flight = launched
         self.worker.allocator.free(held)
-        if launched is not None and not self.overlap:
+        if launched is not None and (not self.overlap or sync):
             outputs.append(self._resolve(launched))
             self._in_flight = None
         if self._in_flight is None:  # nothing runs: every held block is free again
             self.scheduler.hold_frees = False
             self.worker.allocator.free(self.scheduler.take_held())
-        return outputs
+        return early + outputs
+
+    def _needs_host_tokens(self) -> bool:
+        """A request with a grammar is in the scheduler: its matcher reads the tokens sampled so
+        far on the host before its next mask (`common.logits_processors`), so steps run
+        synchronously (no placeholder tokens) while one is there."""
+        s = self.scheduler
+        return any(
+            seq.params.structured is not None
+            for queue in (s.running, s.ready, s.waiting)
+            for seq in queue
+        )
 
     def _resolve(self, handle: StepHandle) -> StepOutput:
         batch = handle.batch

@@ -19,6 +19,7 @@ import torch
 from common.attention import AttentionBackend, AttentionMetadata, ForwardContext
 from common.cuda_graphs import DecodeGraphs, Replay
 from common.kv_cache import KVCache
+from common.logits_processors import LogitsProcessors
 from common.models.llama import LlamaForCausalLM
 from common.prefill_graphs import PrefillGraphs
 from common.sampler import SampledRows, Sampler, SamplingInputs, SamplingPlan, host_output
@@ -126,6 +127,8 @@ class ModelRunner:
         self.eos_token_ids = list(model.spec.eos_token_ids)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        # Grammar masks and logit_bias, applied just before sampling (set by the Worker).
+        self.logits_processors: LogitsProcessors | None = None
         self._k_caches = kv_cache.k_caches
         self._v_caches = kv_cache.v_caches
 
@@ -148,6 +151,8 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget per-request sampler state (noise key, token counts) once it has ended."""
         self.sampler.release(request_id)
+        if self.logits_processors is not None:
+            self.logits_processors.release(request_id)
 
     def host_inputs(self, batch: ScheduledBatch, prev: StepHandle | None = None) -> HostInputs:
         """`prev`: the step launched before this one, whose sampled ids may not be on the host
@@ -260,6 +265,8 @@ class ModelRunner:
     def _sample(self, handle: StepHandle, batch: ScheduledBatch, logits) -> None:
         if handle.sample_rows:
             seqs = [batch.items[row].seq for row in handle.sample_rows]
+            if self.logits_processors is not None:  # grammar masks, logit_bias
+                logits = self.logits_processors.apply(logits, seqs)
             inputs = SamplingInputs(
                 params=[s.params for s in seqs],
                 prompt_token_ids=[s.prompt_token_ids for s in seqs],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # Temperatures below this are treated as greedy decoding.
 GREEDY_EPS = 1e-5
@@ -16,6 +17,11 @@ class SamplingParams:
     `top_k <= 0` disables top-k; `top_p == 1` and `min_p == 0` disable those filters.
     `logprobs=N` returns the sampled token's logprob and the N most likely tokens.
     `stop` strings are matched on decoded text by whoever detokenizes (LLM or router).
+    `structured` constrains the output to a grammar (`common.logits_processors`):
+    `{"type": "json_object"}` or `{"type": "json_schema", "schema": "<JSON text>"}`.
+    `logit_bias` is a list of `(token id, bias)` pairs added to the logits (a dict
+    `{token: bias}` is accepted and converted); msgpack carries it as pairs.
+    `n` samples share the prompt (the decode node forks them on the prompt's KV blocks).
     """
 
     n: int = 1
@@ -33,8 +39,14 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured: dict[str, Any] | None = None
+    logit_bias: list[tuple[int, float]] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = [(int(t), float(b)) for t, b in self.logit_bias.items()]
+        elif self.logit_bias is not None:
+            self.logit_bias = [(int(t), float(b)) for t, b in self.logit_bias]
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -75,6 +87,13 @@ class SamplingParams:
             raise bad("stop_token_ids", self.stop_token_ids, "non-negative integers")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", self.stop, "non-empty strings")
+        if self.logit_bias and any(t < 0 or not -100 <= b <= 100 for t, b in self.logit_bias):
+            raise bad("logit_bias", self.logit_bias, "token ids >= 0 with biases in [-100, 100]")
+        if self.structured is not None and (
+            not isinstance(self.structured, dict)
+            or self.structured.get("type") not in ("json_object", "json_schema")
+        ):
+            raise bad("structured", self.structured, "a json_object or json_schema spec")
 
     @property
     def uses_penalties(self) -> bool:

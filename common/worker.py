@@ -19,6 +19,7 @@ from common.block_allocator import BlockAllocator
 from common.config import EngineConfig
 from common.kv_cache import DEFAULT_CPU_KV_BYTES, KVCache, gpu_kv_budget, num_blocks_for_budget
 from common.loader import ModelSource, build_model, read_spec, resolve_model
+from common.logits_processors import LogitsProcessors
 from common.memory_probe import graph_margin, step_peak_bytes
 from common.model_runner import ModelRunner
 from common.model_spec import ModelSpec
@@ -108,6 +109,9 @@ class Worker:
         )
         self.allocator = BlockAllocator(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device)
+        self.runner.logits_processors = LogitsProcessors(
+            self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids
+        )
         max_model_len = min(max_len, num_blocks * cc.block_size)
         graph_bytes = prefill_graph_bytes = 0
         if self.use_graphs:
@@ -157,6 +161,7 @@ class Worker:
             raise ValueError(
                 f"prompt has {len(ids)} tokens; the context limit is {rt.max_model_len}"
             )
+        self.runner.logits_processors.check(params)  # a grammar that cannot compile fails here
         return Sequence(
             request_id,
             ids.tolist(),

@@ -10,15 +10,17 @@ that would change the output is honoured here or refused with a 400 that names i
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from common.logits_processors import check_structured
 from common.sampling_params import MAX_LOGPROBS, SamplingParams
 from router.chat import chat_prompt_ids
 from router.errors import OpenAIError, invalid
 from router.protocol import ChatCompletionRequest, CompletionRequest, _GenerationFields
-from router.tools import ToolPlan, plan_tools
+from router.tools import ToolPlan, grammar_schema, plan_tools
 
 SEED_RANGE = (-(2**63), 2**63 - 1)  # what msgpack and torch generators accept
 
@@ -79,7 +81,6 @@ UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("echo", _false, "echo is not supported"),
     ("suffix", _false, "suffix (insertion) is not supported"),
     ("n", lambda v: v in (None, 1), "n must be 1 (several choices are not supported yet)"),
-    ("logit_bias", _false, "logit_bias is not supported yet"),
 )
 
 
@@ -95,9 +96,6 @@ def refuse_unsupported(req: _GenerationFields) -> None:
             "chunk (include_usage)",
             "stream_options",
         )
-    fmt = req.response_format
-    if fmt is not None and fmt.type != "text":
-        raise invalid(f"response_format {fmt.type} is not supported yet", "response_format")
 
 
 def check_model(requested: str | None, names: Sequence[str]) -> None:
@@ -116,8 +114,6 @@ def prepare_chat(
 ) -> PreparedRequest:
     refuse_unsupported(req)
     tools = plan_tools(req, tool_parser)
-    if tools is not None and tools.constrained:
-        raise invalid(f"tool_choice {req.tool_choice!r} is not supported yet", "tool_choice")
     ids = chat_prompt_ids(req, tokenizer, tools.tools if tools else None)
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -127,7 +123,14 @@ def prepare_chat(
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
-    prepared = _prepared("chat", ids, req, max_tokens, logprobs)
+    structured = None
+    if tools is not None and tools.constrained:
+        if _structured(req) is not None:
+            raise invalid(
+                "response_format cannot be combined with a forced tool_choice", "response_format"
+            )
+        structured = {"type": "json_schema", "schema": json.dumps(grammar_schema(tools))}
+    prepared = _prepared("chat", ids, req, max_tokens, logprobs, structured)
     return dataclasses.replace(prepared, tools=tools)
 
 
@@ -160,6 +163,12 @@ def apply_limits(prepared: PreparedRequest, limits: ModelLimits) -> PreparedRequ
             f"stop token id {bad} is outside the vocabulary [0, {limits.vocab_size})",
             "stop_token_ids",
         )
+    bad = next((t for t, _ in params.logit_bias or () if t >= limits.vocab_size), None)
+    if bad is not None:
+        raise invalid(
+            f"logit_bias token id {bad} is outside the vocabulary [0, {limits.vocab_size})",
+            "logit_bias",
+        )
     context, n = limits.max_model_len, len(ids)
     if n >= context:
         raise invalid(
@@ -185,6 +194,7 @@ def _prepared(
     req: _GenerationFields,
     max_tokens: int | None,
     logprobs: int | None,
+    structured: dict[str, Any] | None = None,
 ) -> PreparedRequest:
     if not ids:
         raise invalid("the prompt is empty", "messages" if kind == "chat" else "prompt")
@@ -209,6 +219,8 @@ def _prepared(
         "stop": req.stop,
         "stop_token_ids": req.stop_token_ids,
         "ignore_eos": req.ignore_eos,
+        "structured": structured or _structured(req),
+        "logit_bias": _logit_bias(req.logit_bias),
     }
     given = {k: v for k, v in options.items() if v is not None}
     try:
@@ -228,7 +240,37 @@ def _prepared(
     )
 
 
+def _structured(req: _GenerationFields) -> dict[str, Any] | None:
+    """The grammar spec of `response_format`, checked now so a bad schema is a 400 here."""
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    if fmt.json_schema is None or not isinstance(fmt.json_schema.json_schema, dict):
+        raise invalid(
+            "response_format json_schema needs json_schema.schema (an object)", "response_format"
+        )
+    spec = {"type": "json_schema", "schema": json.dumps(fmt.json_schema.json_schema)}
+    try:
+        check_structured(spec)
+    except ValueError as exc:
+        raise invalid(str(exc), "response_format") from None
+    return spec
+
+
+def _logit_bias(bias: dict[str, float] | None) -> list[tuple[int, float]] | None:
+    if not bias:
+        return None
+    try:
+        return [(int(token), value) for token, value in bias.items()]
+    except ValueError:
+        raise invalid("logit_bias keys must be token ids", "logit_bias") from None
+
+
 def _param_named_in(message: str) -> str | None:
     """SamplingParams errors start with the field name ("top_p must be ...")."""
     name = message.split(" ", 1)[0]
+    if name == "structured":
+        return "response_format"
     return name if name.isidentifier() else None

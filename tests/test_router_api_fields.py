@@ -5,6 +5,8 @@ silently dropped, and the shapes real clients (`vllm bench serve`, the openai cl
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from common.loader import ModelSource
@@ -206,3 +208,54 @@ def test_skip_special_tokens_false_shows_special_tokens_in_the_text(source, toke
     hidden = call(app, "POST", TEXT, body_for(TEXT, max_tokens=8))
     assert shown.json()["choices"][0]["text"] == "<|im_end|> hello"
     assert hidden.json()["choices"][0]["text"] == " hello"
+
+
+def sent_sampling(app) -> dict:
+    return app.state.core.link.sent_of(PrefillRequest)[-1][1].sampling
+
+
+def test_response_format_becomes_a_grammar_spec_for_both_nodes(app):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    assert call(app, "POST", CHAT, body_for(CHAT, response_format=fmt)).status_code == 200
+    for kind in (PrefillRequest, DecodeRequest):
+        spec = app.state.core.link.sent_of(kind)[-1][1].sampling["structured"]
+        assert spec["type"] == "json_schema" and json.loads(spec["schema"]) == schema
+    assert call(app, "POST", TEXT, body_for(TEXT, response_format={"type": "json_object"}))
+    assert sent_sampling(app)["structured"] == {"type": "json_object"}
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "tomato"}}},
+        {"type": "json_schema", "json_schema": {"name": "x"}},
+        {"type": "json_schema"},
+        {"type": "yaml"},
+    ],
+)
+def test_a_response_format_no_grammar_can_follow_is_a_400(app, fmt):
+    response = call(app, "POST", CHAT, body_for(CHAT, response_format=fmt))
+    assert_openai_error(response, 400, "response_format")
+    assert app.state.core.link.sent == []
+
+
+def test_forced_tool_choice_is_a_grammar_over_the_tool_calls(app):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = body_for(CHAT, tools=[tool], tool_choice="required")
+    assert call(app, "POST", CHAT, body).status_code == 200
+    schema = json.loads(sent_sampling(app)["structured"]["schema"])
+    assert schema["type"] == "array" and schema["minItems"] == 1
+    named = {"type": "function", "function": {"name": "f"}}
+    assert call(app, "POST", CHAT, body_for(CHAT, tools=[tool], tool_choice=named))
+    assert json.loads(sent_sampling(app)["structured"]["schema"]) == {"type": "object"}
+    both = body_for(CHAT, tools=[tool], tool_choice=named, response_format={"type": "json_object"})
+    assert_openai_error(call(app, "POST", CHAT, both), 400, "response_format")
+
+
+def test_logit_bias_reaches_the_nodes_as_pairs_and_bad_ones_are_400s(app):
+    assert call(app, "POST", TEXT, body_for(TEXT, logit_bias={"42": -100, "7": 5.5}))
+    assert [list(p) for p in sent_sampling(app)["logit_bias"]] == [[42, -100.0], [7, 5.5]]
+    for bias in ({"x": 1}, {"1": 101}, {"49152": 1}):
+        response = call(app, "POST", TEXT, body_for(TEXT, logit_bias=bias))
+        assert_openai_error(response, 400, "logit_bias")
