@@ -47,6 +47,10 @@ class LLMEngine:
     ) -> Sequence:
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already running")
+        if params.n != 1:
+            raise ValueError(
+                f"n={params.n}: several samples per prompt are served by the decode node"
+            )
         seq = self.worker.new_sequence(request_id, prompt_token_ids, params)
         self.scheduler.add(seq)
         self.sequences[request_id] = seq

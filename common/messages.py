@@ -92,6 +92,7 @@ class DecodeRequest:
 @dataclass(frozen=True)
 class Abort:
     request_id: str
+    index: int | None = None  # n > 1: end only this sample (decode node); None: the request
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,7 @@ class TokenOutput:
     finished: bool
     finish_reason: str | None
     timing: dict[str, float] | None  # decode-side durations, sent with the first output
+    index: int = 0  # the sample (choice) of an n > 1 request; `finished` is about this one
 
 
 @dataclass(frozen=True)
@@ -143,12 +145,14 @@ class TokenBatch:
     logprobs: list[float | None] | None = None  # per row; None when no row asked
     top_logprobs: list[list[list[float]] | None] | None = None  # per row: [[token, logprob]]
     timing: dict[str, dict[str, float]] = field(default_factory=dict)  # by request id
+    # n > 1: the sample each row belongs to (its finish reason is that sample's); None: all 0
+    indices: list[int] | None = None
 
     def __post_init__(self) -> None:
         _coerce_arrays(self, "token_ids")
         n = len(self.request_ids)
         lengths = {len(self.token_ids), len(self.finish_reasons)}
-        for column in (self.logprobs, self.top_logprobs):
+        for column in (self.logprobs, self.top_logprobs, self.indices):
             if column is not None:
                 lengths.add(len(column))
         if lengths != {n}:
@@ -161,6 +165,7 @@ class TokenBatch:
         ids, reasons = self.token_ids.tolist(), self.finish_reasons
         lps = self.logprobs or [None] * len(ids)
         tops = self.top_logprobs or [None] * len(ids)
+        indices = self.indices or [0] * len(ids)
         out, reported = [], set()
         for i, rid in enumerate(self.request_ids):
             timing = None
@@ -176,6 +181,7 @@ class TokenBatch:
                     reasons[i] is not None,
                     reasons[i],
                     timing,
+                    indices[i],
                 )
             )
         return out

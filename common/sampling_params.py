@@ -8,6 +8,7 @@ from typing import Any
 # Temperatures below this are treated as greedy decoding.
 GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+MAX_N = 16  # choices per request
 
 
 @dataclass
@@ -61,8 +62,8 @@ class SamplingParams:
         def bad(name: str, value: object, rule: str) -> ValueError:
             return ValueError(f"{name} must be {rule}, got {value!r}")
 
-        if self.n != 1:
-            raise bad("n", self.n, "1 (several choices per request are not supported)")
+        if not 1 <= self.n <= MAX_N:
+            raise bad("n", self.n, f"in [1, {MAX_N}]")
         if not 0.0 <= self.temperature <= 100.0:
             raise bad("temperature", self.temperature, "in [0, 100]")
         if not 0.0 < self.top_p <= 1.0:

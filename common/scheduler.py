@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from common.block_allocator import BlockAllocator, compute_block_hashes, hash_block_tokens
 from common.config import SchedulerConfig
+from common.sampling_params import SamplingParams
 from common.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
 
 
@@ -108,6 +109,37 @@ class Scheduler:
         the captured CUDA graphs, which stop at that size.)"""
         assert seq.block_ids and seq.num_computed_tokens > 0
         self.ready.append(seq)
+
+    def fork(self, parent: Sequence, index: int, params: SamplingParams) -> Sequence:
+        """Sample `index` of `parent`'s request (n > 1), sharing its prompt's KV blocks.
+
+        Call once the parent's prompt KV is complete, or from the step that completes it (after
+        `schedule`, before the model runs: the child runs from the next step), and before the
+        parent can free its blocks. The child takes one more reference on each full prompt block that lies before
+        the prompt's last token (`BlockAllocator.incref`; it frees them like its own) and
+        computes only the rest of the prompt (less than one block, the last token included)
+        in its next step, which samples its own first token. No KV is copied.
+        """
+        n_prompt = len(parent.prompt_token_ids)
+        shared = min((n_prompt - 1) // self.block_size, len(parent.block_ids))
+        child = Sequence(
+            f"{parent.group}#{index}",
+            parent.prompt_token_ids,
+            params,
+            parent.eos_token_ids,
+            max_model_len=parent.max_model_len,
+            group_id=parent.group,
+            index=index,
+        )
+        if shared == 0:
+            self.add(child)  # nothing to share: a prompt shorter than one block + 1 token
+            return child
+        child.block_ids = parent.block_ids[:shared]
+        self.allocator.incref(child.block_ids)
+        child.num_computed_tokens = shared * self.block_size
+        child.num_registered_blocks = shared  # the parent registers (or registered) them
+        self.add_running(child)
+        return child
 
     def abort(self, request_id: str) -> Sequence | None:
         for queue in (self.running, self.ready, self.waiting):

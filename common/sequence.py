@@ -52,6 +52,14 @@ class Sequence:
     stop_reason: int | str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     num_preemptions: int = 0
+    # n > 1: sample `index` of request `group_id` (None: the sequence is its own request).
+    group_id: str | None = None
+    index: int = 0
+
+    @property
+    def group(self) -> str:
+        """The client's request id this sequence answers."""
+        return self.group_id or self.request_id
 
     @property
     def all_token_ids(self) -> list[int]:

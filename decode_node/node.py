@@ -16,6 +16,7 @@ from common.sampling_params import SamplingParams
 from common.scheduler import SampledToken, ScheduledBatch, Scheduler
 from common.sequence import Sequence, SequenceStatus
 from common.worker import Worker
+from decode_node.choices import ChoiceGroups
 from decode_node.reservations import PendingDecode, ReservationQueue
 from kv_transfer import Transfer, TransferConfig, TransferState, create_receiver
 
@@ -65,6 +66,7 @@ class DecodeNode:
             self.worker, self.scheduler, overlap=engine_config.overlap_scheduling
         )
         self.reservations = ReservationQueue(self.worker.allocator)
+        self.choices = ChoiceGroups(self.scheduler)  # n > 1: samples forked on the prompt
         self.receiver = None
         extra = {}
         if not self.colocated:
@@ -122,7 +124,10 @@ class DecodeNode:
         if isinstance(message, DecodeRequest):
             self._accept(message, decode_s)
         elif isinstance(message, Abort):
-            self._abort(message.request_id)
+            if message.index is None:
+                self._abort(message.request_id)
+            else:
+                self._abort_sample(message.request_id, message.index)
         else:
             log.warning("decode node ignores %s", type(message).__name__)
 
@@ -191,17 +196,21 @@ class DecodeNode:
             timing.prefill_first_token_at = meta["first_token_at"]
         req = pending.request
         seq = self._new_sequence(rid, req.prompt_token_ids, SamplingParams(**req.sampling))
-        seq.output_token_ids.append(int(meta["first_token"]))
         seq.block_ids = pending.block_ids
         seq.num_computed_tokens = len(req.prompt_token_ids)
+        ended = seq.append_token(int(meta["first_token"]))
         self.scheduler.add_running(seq)
+        self.choices.fork(seq)  # n > 1: the other samples share the prompt's blocks
+        if ended is not None:
+            # n > 1 whose first sample ended at the prefill node's token (the router knows):
+            # it only lent its blocks to the others.
+            self._abort_sample(rid, 0)
 
     # -- decoding ---------------------------------------------------------------------------
     def _decode_step(self) -> None:
         for out in self.core.step(before_launch=self._mark_first_step):
             if out.error is not None:
-                for item in out.batch.items:
-                    rid = item.seq.request_id
+                for rid in dict.fromkeys(item.seq.group for item in out.batch.items):
                     self._abort(rid)
                     self.channel.to_router(RequestError(rid, f"decode failed: {out.error}", 500))
                 continue
@@ -212,33 +221,43 @@ class DecodeNode:
     def _mark_first_step(self, batch: ScheduledBatch) -> None:
         now = time.monotonic()
         for item in batch.items:
-            timing = self.timings.get(item.seq.request_id)
+            timing = self.timings.get(item.seq.group)
             if timing is not None and timing.first_step_at is None:
                 timing.first_step_at = now
+            if item.samples and not item.seq.output_token_ids:
+                # Colocated: this step completes the prompt; the other samples of an n > 1
+                # request share its blocks and run from the next step.
+                self.choices.fork(item.seq)
 
     def _token_batch(self, rows: list[tuple[Sequence, SampledToken]]) -> TokenBatch:
         """One step's outputs, column-wise; the first output of a request carries its timing."""
-        ids, tokens, reasons, timing = [], [], [], {}
+        ids, tokens, reasons, indices, timing = [], [], [], [], {}
         logprobs: list[float | None] | None = None
         tops: list | None = None
         for i, (seq, token) in enumerate(rows):
-            rid = seq.request_id
+            rid = seq.group
             ids.append(rid)
+            indices.append(seq.index)
             tokens.append(token.token_id)
             report = self._first_report(rid)
             if report is not None:
                 timing[rid] = report
             finished = seq.status is SequenceStatus.FINISHED
             reasons.append(seq.finish_reason.value if finished and seq.finish_reason else None)
-            if finished:
-                self._end(rid)
+            if finished:  # this sample; the request ends with its last sample
+                self.core.release(seq.request_id)
+                if self.choices.ended(seq):
+                    self._end(rid)
             if token.logprob is not None:
                 logprobs = logprobs or [None] * len(rows)
                 logprobs[i] = token.logprob
             if token.top_logprobs is not None:
                 tops = tops or [None] * len(rows)
                 tops[i] = [[t, lp] for t, lp in token.top_logprobs]
-        return TokenBatch(ids, tokens, reasons, logprobs, tops, timing)
+        sampled_index = any(indices)
+        return TokenBatch(
+            ids, tokens, reasons, logprobs, tops, timing, indices if sampled_index else None
+        )
 
     def _first_report(self, rid: str) -> dict[str, float] | None:
         timing = self.timings.get(rid)
@@ -262,11 +281,19 @@ class DecodeNode:
             self.quarantined[request_id] = self.reservations.take(request_id)
         else:
             self.reservations.release(request_id)
-        self.core.abort(request_id)  # frees the blocks of a running/waiting sequence
+        for seq_id in self.choices.sequence_ids(request_id):
+            self.core.abort(seq_id)  # frees the blocks of a running/waiting sequence
         self._end(request_id)
+
+    def _abort_sample(self, request_id: str, index: int) -> None:
+        """End one sample of an n > 1 request (the router is done with it); no-op if gone."""
+        seq = self.core.abort(request_id if index == 0 else f"{request_id}#{index}")
+        if seq is not None and self.choices.ended(seq):
+            self._end(request_id)
 
     def _end(self, request_id: str) -> None:
         self.timings.pop(request_id, None)
+        self.choices.forget(request_id)
         self.core.release(request_id)
 
     def _load(self) -> dict[str, int]:

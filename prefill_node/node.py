@@ -123,7 +123,8 @@ class PrefillNode:
             job.reserved_blocks = message.block_ids.tolist()
             self._maybe_start(job)
         elif isinstance(message, Abort):
-            self._abort(message.request_id)
+            if message.index is None:  # one sample's end concerns only the decode node
+                self._abort(message.request_id)
         else:
             log.warning("prefill node ignores %s", type(message).__name__)
 

@@ -171,6 +171,15 @@ class RouterCore:
             except SendError as exc:
                 log.warning("abort of %s not delivered: %s", request_id, exc)
 
+    def abort_sample(self, request_id: str, route: Route, index: int) -> None:
+        """n > 1: stop one sample on the decode node (the others go on). Best effort."""
+        if self.link is None:
+            return
+        try:
+            self.link.send(route.decode, Abort(request_id, index))
+        except SendError as exc:
+            log.warning("abort of %s sample %d not delivered: %s", request_id, index, exc)
+
     def release(self, request_id: str) -> None:
         """Forget a request; events that still arrive for it are dropped. Idempotent."""
         if request_id in self.events:

@@ -80,7 +80,6 @@ UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("mm_processor_kwargs", _unset, "multimodal inputs are not supported"),
     ("echo", _false, "echo is not supported"),
     ("suffix", _false, "suffix (insertion) is not supported"),
-    ("n", lambda v: v in (None, 1), "n must be 1 (several choices are not supported yet)"),
 )
 
 

@@ -54,6 +54,18 @@ class _NoText:
         return ""
 
 
+@dataclass
+class _Choice:
+    """One sample of the request (n > 1 gives several): its text and how it ended."""
+
+    index: int
+    detok: IncrementalDetokenizer | _NoText
+    tokens: int = 0
+    finish_reason: str | None = None
+    node_done: bool = False  # the node ended this sample itself
+    on_decode: bool = False  # the decode node sent tokens of it, so it can be aborted there
+
+
 class Session:
     def __init__(
         self,
@@ -72,27 +84,36 @@ class Session:
         self.queue = queue
         self.marks = marks
         self.deadline = marks.arrival + core.config.request_timeout
-        stop = prepared.params.stop
-        self.detok = (
-            IncrementalDetokenizer(
-                tokenizer, prepared.prompt_token_ids, stop, prepared.skip_special_tokens
+        params = prepared.params
+        self.choices = [
+            _Choice(
+                i,
+                IncrementalDetokenizer(
+                    tokenizer, prepared.prompt_token_ids, params.stop, prepared.skip_special_tokens
+                )
+                if tokenizer is not None
+                else _NoText(),
             )
-            if tokenizer is not None
-            else _NoText()
-        )
-        self.completion_tokens = 0
-        self.finish_reason: str | None = None
+            for i in range(params.n)
+        ]
         self.status: int | None = None  # final status once known (200, an error, or 499)
         self._first_seen = route.prefill is None  # PD: decode outputs wait for the FirstToken
         self._early: list[TokenOutput] = []
-        self._nodes_done = False  # a node finished the request: nothing to abort
+        self._nodes_done = False  # the nodes are done with the request: nothing to abort
         self._closed = False
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.tokens for c in self.choices)
 
     async def deltas(self) -> AsyncIterator[Delta]:
         try:
-            while self.finish_reason is None:
-                delta = self._handle(await self._next())
-                if delta is not None:
+            while not self.finished:
+                for delta in self._handle(await self._next()):
                     yield delta
         except OpenAIError as exc:
             self.status = exc.status
@@ -132,75 +153,91 @@ class Session:
             timeout = self.core.config.request_timeout
             raise OpenAIError(504, f"the request did not finish within {timeout} s") from None
 
-    def _handle(self, event: RequestEvent) -> Delta | None:
+    def _handle(self, event: RequestEvent) -> list[Delta]:
         if isinstance(event, NodeLost):
             raise OpenAIError(503, f"node {event.node_id} failed: {event.reason}")
         if isinstance(event, RequestError):
             status = event.status if 400 <= event.status <= 599 else 500
             raise OpenAIError(status, event.message)
-        batches: list[tuple[list[TokenPiece], bool, str | None]] = []
+        outputs: list[tuple[int, list[TokenPiece], bool, str | None]] = []
+        self.marks.merge_node_timing(event.timing)
         if isinstance(event, FirstToken):
-            self.marks.merge_node_timing(event.timing)
             self._first_seen = True
             first = TokenPiece(event.token_id, event.logprob, _pairs(event.top_logprobs))
-            batches.append(([first], event.finished, event.finish_reason))
-            batches += [(_pieces(o), o.finished, o.finish_reason) for o in self._early]
-            self._early.clear()
+            outputs.append((0, [first], event.finished, event.finish_reason))
+            early, self._early = self._early, []
         else:
-            self.marks.merge_node_timing(event.timing)
             if not self._first_seen:
                 self._early.append(event)  # overtook the prefill node's first token
-                return None
+                return []
             if self.route.prefill is not None:
                 # The decode node runs on its own now: losing the prefill node is harmless.
                 self.core.events.forget_node(self.request_id, self.route.prefill)
-            batches.append((_pieces(event), event.finished, event.finish_reason))
-        if any(pieces for pieces, _, _ in batches):
+            early = [event]
+        for output in early:
+            if 0 <= output.index < len(self.choices):
+                self.choices[output.index].on_decode = True
+                outputs.append(
+                    (output.index, _pieces(output), output.finished, output.finish_reason)
+                )
+        if any(pieces for _, pieces, _, _ in outputs):
             self.marks.tokens_arrived(self.core.clock())
-        delta = Delta("")
-        for pieces, finished, reason in batches:
-            text, accepted = self._accept(pieces, finished, reason)
+        deltas: dict[int, Delta] = {}
+        for index, pieces, finished, reason in outputs:
+            choice = self.choices[index]
+            text, accepted = self._accept(choice, pieces, finished, reason)
+            delta = deltas.setdefault(index, Delta("", index=index))
             delta.text += text
             delta.pieces += accepted
-        delta.finish_reason = self.finish_reason
-        return delta if delta.text or delta.pieces or delta.finish_reason else None
+            delta.finish_reason = choice.finish_reason
+        return [d for d in deltas.values() if d.text or d.pieces or d.finish_reason]
 
     def _accept(
-        self, pieces: list[TokenPiece], node_finished: bool, node_reason: str | None
+        self,
+        choice: _Choice,
+        pieces: list[TokenPiece],
+        node_finished: bool,
+        node_reason: str | None,
     ) -> tuple[str, list[TokenPiece]]:
-        """Take tokens until the request ends; returns the released text and the tokens kept."""
+        """Take tokens until the sample ends; returns the released text and the tokens kept."""
         max_tokens = self.prepared.params.max_tokens
         texts: list[str] = []
         accepted: list[TokenPiece] = []
         for i, piece in enumerate(pieces):
-            if self.finish_reason is not None:
+            if choice.finish_reason is not None:
                 break
             node_done = node_finished and i == len(pieces) - 1
             accepted.append(piece)
-            self.completion_tokens += 1
-            texts.append(self.detok.add([piece.token_id]))
-            if self.detok.stopped_on is not None:
-                self._finish("stop", node_done)
-            elif max_tokens is not None and self.completion_tokens >= max_tokens:
-                self._finish((node_reason or "length") if node_done else "length", node_done)
-        if self.finish_reason is None and node_finished:
+            choice.tokens += 1
+            texts.append(choice.detok.add([piece.token_id]))
+            if choice.detok.stopped_on is not None:
+                self._finish(choice, "stop", node_done)
+            elif max_tokens is not None and choice.tokens >= max_tokens:
+                self._finish(
+                    choice, (node_reason or "length") if node_done else "length", node_done
+                )
+        if choice.finish_reason is None and node_finished:
             if node_reason in ("error", "abort"):
                 status = 500 if node_reason == "error" else 503
                 raise OpenAIError(status, f"the node ended the request: {node_reason}")
-            self._finish(node_reason or "stop", True)
-        if self.finish_reason is not None and self.detok.stopped_on is None:
-            texts.append(self.detok.flush())
+            self._finish(choice, node_reason or "stop", True)
+        if choice.finish_reason is not None and choice.detok.stopped_on is None:
+            texts.append(choice.detok.flush())
         return "".join(texts), accepted
 
-    def _finish(self, reason: str, node_done: bool) -> None:
-        self.finish_reason = reason
+    def _finish(self, choice: _Choice, reason: str, node_done: bool) -> None:
+        choice.finish_reason = reason
+        choice.node_done = node_done
+        if not self.finished:
+            if not node_done and choice.on_decode:
+                # Only this sample is over: the decode node stops it, the others go on.
+                self.core.abort_sample(self.request_id, self.route, choice.index)
+            return
         self.status = 200
         self.marks.finished = self.core.clock()
-        if node_done:
-            self._nodes_done = True
-        else:
+        if not all(c.node_done for c in self.choices):
             self.core.abort(self.request_id, self.route)
-            self._nodes_done = True  # aborted now; close() need not abort again
+        self._nodes_done = True  # finished by the nodes, or aborted now: close() need not
 
 
 def _pairs(raw: list[list[float]] | None) -> tuple[tuple[int, float], ...] | None:

@@ -1,0 +1,82 @@
+"""n > 1 in the router: several choices in one response or stream, usage summed over them, and
+a choice that ends early (stop string) stops only its own sample on the decode node."""
+
+# ruff: noqa: F811  (fixtures imported from test_router_api_fields are re-bound as arguments)
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from common.messages import Abort, DecodeRequest, TokenBatch, TokenOutput
+from router.app import create_app
+from router.config import RouterConfig
+from tests.router_fakes import LoopbackNodes, ManualClock, heartbeat
+from tests.test_router_api_errors import CHAT, HI, TEXT, call
+from tests.test_router_api_fields import source, tokenizer  # noqa: F401
+from tests.test_router_api_generation import sse_events
+
+C = "tcp://127.0.0.1:5801"
+
+
+def colocated_app(source, tokenizer, answers: dict[int, str]):
+    """A colocated node that answers sample i with answers[i], one token per event."""
+
+    def script(node_id, message):
+        if not isinstance(message, DecodeRequest):
+            return []
+        events = []
+        for index, text in answers.items():
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            for k, token in enumerate(ids):
+                last = k == len(ids) - 1
+                out = TokenOutput(message.request_id, [token], None, None, last,
+                                  "stop" if last else None, None, index)  # fmt: skip
+                events.append(TokenBatch([asdict(out)]))
+        return events
+
+    link = LoopbackNodes(script)
+    app = create_app(
+        RouterConfig(decode=(C,)),
+        source=source,
+        tokenizer=tokenizer,
+        link=link,
+        clock=ManualClock(),
+    )
+    link.deliver = app.state.core.on_message
+    app.state.core.on_message(heartbeat(C, "colocated"))
+    return app, link
+
+
+ANSWERS = {0: " red apple", 1: " green pear. More", 2: " blue plum"}
+
+
+def test_n_choices_come_back_whole_with_usage_over_all_of_them(source, tokenizer):
+    app, link = colocated_app(source, tokenizer, ANSWERS)
+    body = call(app, "POST", CHAT, {"messages": HI, "n": 3, "max_tokens": 10}).json()
+    texts = {c["index"]: c["message"]["content"] for c in body["choices"]}
+    assert texts == {i: t for i, t in ANSWERS.items()}
+    tokens = sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in ANSWERS.values())
+    assert body["usage"]["completion_tokens"] == tokens
+    assert link.sent_of(DecodeRequest)[0][1].sampling["n"] == 3
+
+
+def test_a_choice_cut_by_a_stop_string_stops_only_its_sample(source, tokenizer):
+    app, link = colocated_app(source, tokenizer, ANSWERS)
+    response = call(app, "POST", TEXT, {"prompt": "a", "n": 3, "max_tokens": 10, "stop": "."})
+    texts = {c["index"]: c["text"] for c in response.json()["choices"]}
+    assert texts[1] == " green pear" and texts[0] == " red apple"
+    aborts = [m for _, m in link.sent_of(Abort)]
+    assert Abort(aborts[0].request_id, 1) in aborts
+
+
+def test_n_choices_stream_with_their_indices(source, tokenizer):
+    app, _ = colocated_app(source, tokenizer, ANSWERS)
+    events = sse_events(call(app, "POST", CHAT, {"messages": HI, "n": 3, "stream": True}))[:-1]
+    texts: dict[int, str] = {}
+    for event in events:
+        for choice in event["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + (
+                choice["delta"].get("content") or ""
+            )
+    assert texts == ANSWERS
+    finals = [c["index"] for e in events for c in e["choices"] if c["finish_reason"]]
+    assert sorted(finals) == [0, 1, 2]
