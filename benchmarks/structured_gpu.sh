@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: the cost of grammar masks on the decode step (batch 32 and 128,
+# half the batch constrained, against unconstrained, in one run). Installs carried wheels
+# (xgrammar, ...) like gpu_suite.sh; extra flags go to bench_structured.py.
+#   bash benchmarks/structured_gpu.sh [--model benchmarks/configs/llama-3.1-8b-instruct]
+set -uo pipefail
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD
+fi
+python3 -c "import xgrammar, torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"
+timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_structured_outputs.py 2>&1 | tail -3
+python3 benchmarks/bench_structured.py --out "$OUT/structured.json" "$@" 2>&1 | grep -v "Warning\|warn(" | tail -12
