@@ -215,8 +215,9 @@ class PrefillNode:
                 timing=timing,
             )
         )
-        if finished:
+        if finished and seq.params.n == 1:
             # Nothing to decode: stop the transfer and release the decode node's reservation.
+            # (With n > 1 the other samples still need the prompt's KV: it ships as usual.)
             self.sender.abort(seq.request_id, "finished at the first token")
             self.channel.to_peer(job.request.decode_node, Abort(seq.request_id))
             self._drop(job)
