@@ -104,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
         "serve",
+        allow_abbrev=False,  # a misspelt flag is an error, never a guess
         help="start the router and the prefill and decode pools",
         description="Start the router and the prefill and decode pools on this host; Ctrl-C "
         "or SIGTERM stops every process.",

@@ -103,12 +103,14 @@ def test_heartbeat_from_an_unlisted_node_is_ignored():
     assert set(registry.nodes) == {P, D}
 
 
-def test_report_carries_role_age_and_load():
+def test_report_carries_role_age_info_and_load():
     registry = pd_registry()
     registry.observe(
         heartbeat(D, "decode", free_blocks=42, running=3, pid=4321, device="cpu"), now=10.0
     )
     (entry,) = [n for n in registry.report(10.5) if n["id"] == D]
+    info = entry.pop("info")  # the heartbeat's static info (the launcher's per-node summary)
+    assert info["pid"] == 4321 and info["max_model_len"] == 2048
     assert entry == {
         "id": D,
         "role": "decode",
