@@ -55,13 +55,16 @@ COPY_ME = 'Repeat this JSON object exactly: {"city": "Paris", "country": "France
 WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
+SMALL_KV = ("--kv-cache-memory-bytes", str(128 << 20))  # CI machines are shared: 128 MiB per node
+
+
 def schema_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "p", "schema": schema, "strict": True}}
 
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
-    stack = PDStack(log_path=tmp_path_factory.mktemp("pd") / "launch.log")
+    stack = PDStack(*SMALL_KV, log_path=tmp_path_factory.mktemp("pd") / "launch.log")
     client = OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=300)
     yield stack, client, client.models.list().data[0].id
     assert stack.stop() == [], "processes left after Ctrl-C"
