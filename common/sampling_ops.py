@@ -67,10 +67,16 @@ def token_salts(vocab_size: int, device: torch.device | str) -> torch.Tensor:
     return hash32(torch.arange(vocab_size, dtype=torch.int64, device=device))
 
 
+UNIFORM_MAX = 1.0 - 2.0**-24  # the largest float32 below 1
+
+
 def exponential_noise(row_keys: torch.Tensor, salts: torch.Tensor) -> torch.Tensor:
     """q ~ Exponential(1), [S, V] float32: 24 uniform bits per token from the row's key."""
     bits = hash32(salts.unsqueeze(0) ^ row_keys.unsqueeze(1)) >> 8
-    uniform = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0
+    uniform = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # (2^24 - 0.5) / 2^24 rounds to 1.0 in float32: q would be 0 and a token of probability 0
+    # (masked by a grammar, top-k, top-p) would win the race as 0 / 0 = NaN. Keep u < 1.
+    uniform.clamp_(max=UNIFORM_MAX)
     return uniform.log_().neg_()
 
 

@@ -67,6 +67,20 @@ def test_constrained_and_unconstrained_requests_batched_in_one_step(tiny_llm):
     jsonschema.validate(json.loads(together[1].text), SCHEMA)
 
 
+def test_the_race_never_draws_a_masked_token_even_when_its_noise_is_the_largest():
+    """Row key 3548420002 hashes token 15484 to the top 24-bit value, whose uniform rounded to
+    1.0 in float32: q = 0 and the masked token won the race as 0 / 0 (seen as a grammar
+    violation at temperature 0.9)."""
+    from common import sampling_ops as ops
+
+    salts = ops.token_salts(49152, "cpu")
+    keys = torch.tensor([3548420002])
+    assert float(ops.exponential_noise(keys, salts)[0, 15484]) > 0
+    logits = torch.full((1, 49152), float("-inf"))
+    logits[0, [109, 17859]] = torch.tensor([0.14, -0.25])
+    assert int(ops.race(logits, keys, salts)[0]) in (109, 17859)
+
+
 def test_a_matcher_resumed_from_the_tokens_so_far_masks_like_the_original(tiny_llm):
     """The decode node's case: the prefill node sampled the first tokens under the grammar."""
     tokenizer, spec = tiny_llm.tokenizer, tiny_llm.engine.worker.spec

@@ -41,6 +41,7 @@ def _race_kernel(probs_ptr, keys_ptr, out_ptr, vocab, stride, BLOCK: tl.constexp
         p = tl.load(probs_ptr + row.to(tl.int64) * stride + offs, mask=mask, other=0.0)
         bits = _hash32(_hash32(offs.to(tl.uint32)) ^ key) >> 8
         uniform = (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        uniform = tl.minimum(uniform, 1.0 - 1.0 / 16777216.0)  # 1.0 would make q = 0 (NaN race)
         score = tl.where(mask, p / -tl.log(uniform), -1.0)
         block_best = tl.max(score, 0)
         block_index = tl.argmax(score, 0)  # the first of equal scores, as torch.argmax
