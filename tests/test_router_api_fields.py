@@ -119,7 +119,7 @@ def test_neutral_values_of_known_fields_are_accepted(app, path, field, value):
 
 
 def sent_prompt(app, kind=PrefillRequest) -> list[int]:
-    return app.state.core.link.sent_of(kind)[-1][1].prompt_token_ids
+    return [int(t) for t in app.state.core.link.sent_of(kind)[-1][1].prompt_token_ids]
 
 
 def test_vllm_bench_serve_completion_payload_is_served(app):

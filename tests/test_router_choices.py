@@ -4,9 +4,9 @@ a choice that ends early (stop string) stops only its own sample on the decode n
 # ruff: noqa: F811  (fixtures imported from test_router_api_fields are re-bound as arguments)
 from __future__ import annotations
 
-from dataclasses import asdict
+import pytest
 
-from common.messages import Abort, DecodeRequest, TokenBatch, TokenOutput
+from common.messages import Abort, DecodeRequest, TokenBatch
 from router.app import create_app
 from router.config import RouterConfig
 from tests.router_fakes import LoopbackNodes, ManualClock, heartbeat
@@ -27,10 +27,9 @@ def colocated_app(source, tokenizer, answers: dict[int, str]):
         for index, text in answers.items():
             ids = tokenizer.encode(text, add_special_tokens=False)
             for k, token in enumerate(ids):
-                last = k == len(ids) - 1
-                out = TokenOutput(message.request_id, [token], None, None, last,
-                                  "stop" if last else None, None, index)  # fmt: skip
-                events.append(TokenBatch([asdict(out)]))
+                reason = "stop" if k == len(ids) - 1 else None
+                batch = TokenBatch([message.request_id], [token], [reason], indices=[index])
+                events.append(batch)
         return events
 
     link = LoopbackNodes(script)
@@ -80,3 +79,13 @@ def test_n_choices_stream_with_their_indices(source, tokenizer):
     assert texts == ANSWERS
     finals = [c["index"] for e in events for c in e["choices"] if c["finish_reason"]]
     assert sorted(finals) == [0, 1, 2]
+
+
+def test_sample_indices_travel_in_token_batches_and_aborts():
+    from common.messages import MessageError, decode, encode
+
+    batch = decode(encode(TokenBatch(["r", "r"], [5, 6], [None, "stop"], indices=[0, 2])))
+    assert [(o.index, o.finished) for o in batch.items()] == [(0, False), (2, True)]
+    assert decode(encode(Abort("r", 1))) == Abort("r", 1)
+    with pytest.raises(MessageError, match="differ in length"):
+        TokenBatch(["r"], [5], [None], indices=[0, 1])

@@ -6,7 +6,7 @@ from __future__ import annotations
 from transformers import AutoTokenizer
 
 from tests.test_router_api_errors import CHAT, HI, assert_openai_error, call
-from tests.test_router_api_fields import app, source, tokenizer  # noqa: F401  (fixtures)
+from tests.test_router_api_fields import app, sent_prompt, source, tokenizer  # noqa: F401
 
 
 def test_tokenize_a_prompt_and_detokenize_it_back(app, tokenizer):
@@ -22,7 +22,7 @@ def test_tokenize_a_prompt_and_detokenize_it_back(app, tokenizer):
 def test_tokenize_messages_gives_the_prompt_a_chat_completion_sends(app):
     counted = call(app, "POST", "/tokenize", {"messages": HI, "model": "smol"}).json()
     assert call(app, "POST", CHAT, {"messages": HI, "max_tokens": 2}).status_code == 200
-    assert app.state.core.link.sent[-1][1].prompt_token_ids == counted["tokens"]
+    assert sent_prompt(app) == counted["tokens"]
 
 
 def test_tokenize_and_detokenize_refuse_bad_input(app):

@@ -12,7 +12,7 @@ from router.protocol import ChatCompletionRequest
 from router.session import Delta
 from router.tools import ToolCallStream, ToolPlan, ToolShaper, grammar_schema, plan_tools
 from tests.test_router_api_errors import CHAT, assert_openai_error, call
-from tests.test_router_api_fields import make_app, source, tokenizer  # noqa: F401
+from tests.test_router_api_fields import make_app, sent_prompt, source, tokenizer  # noqa: F401
 from tests.test_router_api_generation import sse_events
 from tests.tiny_models import QWEN_TOOL_TEMPLATE
 
@@ -151,7 +151,7 @@ def test_tool_history_is_rendered_by_the_template_not_flattened(tool_app):
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
     ]  # fmt: skip
     assert call(app, "POST", CHAT, {"messages": messages, "tools": [WEATHER]}).status_code == 200
-    prompt = tokenizer.decode(app.state.core.link.sent[-1][1].prompt_token_ids)
+    prompt = tokenizer.decode(sent_prompt(app))
     assert (
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
         in prompt
@@ -165,9 +165,7 @@ def test_enable_thinking_reaches_the_template(tool_app):
     app, tokenizer = tool_app
     hi = [{"role": "user", "content": "hi"}]
     call(app, "POST", CHAT, {"messages": hi, "chat_template_kwargs": {"enable_thinking": False}})
-    assert tokenizer.decode(app.state.core.link.sent[-1][1].prompt_token_ids).endswith(
-        "<think>\n\n</think>\n\n"
-    )
+    assert tokenizer.decode(sent_prompt(app)).endswith("<think>\n\n</think>\n\n")
 
 
 def test_bad_tool_requests_are_400s_naming_the_field(tool_app):
