@@ -9,11 +9,7 @@ set -uo pipefail
 OUT=${OUT:-benchmarks/results/pd_decode_probe}
 WORK=$(mktemp -d)
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
-fi
+source benchmarks/gpu_env.sh  # PYTHONPATH, carried wheels
 MODEL=${MODEL:-benchmarks/configs/qwen2.5-7b-instruct}
 RATE=${RATE:-3}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

@@ -9,11 +9,7 @@ set -uo pipefail
 OUT=${OUT:-benchmarks/results/pd_suite}
 WORK=$(mktemp -d)
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD
-fi
+source benchmarks/gpu_env.sh  # PYTHONPATH, carried wheels
 steps=${*:-tests transfer ttft multi}
 gpus=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | sort | uniq -c

@@ -14,11 +14,7 @@ set -uo pipefail
 OUT=${OUT:-benchmarks/results/serving_suite}
 WORK=$(mktemp -d)
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
-fi
+source benchmarks/gpu_env.sh  # PYTHONPATH, carried wheels
 MODEL=${MODEL:-benchmarks/configs/qwen2.5-7b-instruct}
 LONG_RATES=${LONG_RATES:-1 2 3 4 5 6}
 CHAT_RATES=${CHAT_RATES:-5 10 20 30 40}

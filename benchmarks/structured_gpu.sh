@@ -6,11 +6,7 @@
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD
-fi
+source benchmarks/gpu_env.sh  # PYTHONPATH, carried wheels
 python3 -c "import xgrammar, torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"
 timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_structured_outputs.py 2>&1 | tail -3
 python3 benchmarks/bench_structured.py --out "$OUT/structured.json" "$@" 2>&1 | grep -v "Warning\|warn(" | tail -12
