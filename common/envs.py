@@ -20,3 +20,16 @@ def profile_dir() -> Path | None:
     profiling)."""
     value = os.environ.get("PDSERVE_PROFILE_DIR")
     return Path(value) if value else None
+
+
+def api_key() -> str | None:
+    """The router's API key when --api-key is not given (PDSERVE_API_KEY; unset or empty: none)."""
+    return os.environ.get("PDSERVE_API_KEY") or None
+
+
+def cluster_secret() -> bytes | None:
+    """Shared secret that signs every control message and KV frame header between the router
+    and the nodes (PDSERVE_CLUSTER_SECRET). Required when any of their sockets binds to an
+    address other than loopback; unset or empty: frames are not signed."""
+    value = os.environ.get("PDSERVE_CLUSTER_SECRET")
+    return value.encode() if value else None

@@ -3,9 +3,10 @@
 Lifecycle of one request (PD mode), with the module for each step:
 1. `serving`: read the body; `protocol` validates the schema (strict types, 400 otherwise).
 2. `prepare`: model name (404), chat template / tokenization, `SamplingParams` (400).
-3. `core.route`: the `registry` knows which nodes heartbeat in time; `policy` picks a decode
-   node (most free KV blocks, then fewest running) and a prefill node (fewest queued prompt
-   tokens), counting what the router sent that heartbeats do not show yet (503 if none).
+3. `core.route`: the `registry` knows which nodes heartbeat in time (and registers nodes that
+   start on their own); one `policy` per pool (round_robin, least_load, cache_aware with the
+   `prefix_index`) picks a decode and a prefill node, counting what the router sent that
+   heartbeats do not show yet (503 if none).
 4. `prepare.apply_limits`: the prompt against the chosen nodes' context and vocabulary (400).
 5. `core.dispatch`: DecodeRequest to the decode node, PrefillRequest to the prefill node, over
    `node_link` (ZMQ PUSH); `events` opens the request's queue.

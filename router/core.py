@@ -28,7 +28,7 @@ from router.errors import OpenAIError
 from router.events import EventRouter, RequestEvent
 from router.metrics import RouterMetrics
 from router.node_link import NodeLink, SendError
-from router.policy import Candidate, LoadLedger, pick_decode, pick_prefill
+from router.policy import Candidate, LoadLedger, create_policy
 from router.prepare import ModelLimits, PreparedRequest
 from router.registry import NodeRegistry, NodeState
 
@@ -62,13 +62,25 @@ class RouterCore:
         self.metrics = metrics
         self.link = link  # None until the sockets are up (app startup)
         self.clock = clock
-        self.registry = NodeRegistry(config.prefill, config.decode, config.heartbeat_timeout)
+        self.registry = NodeRegistry(
+            config.prefill,
+            config.decode,
+            config.heartbeat_timeout,
+            colocated=config.colocated,
+            forget_after=config.forget_node_after_s,
+        )
         self.events = EventRouter()
         self.ledger = LoadLedger()
+        self.policies = {
+            pool: create_policy(name, pool, config.policy_config())
+            for pool, name in (("prefill", config.prefill_policy), ("decode", config.decode_policy))
+        }
 
     def on_message(self, message: Any) -> None:
         """Handle one validated message from the events socket."""
         if isinstance(message, Heartbeat):
+            if message.node_id not in self.registry.nodes and self.link is not None:
+                self.link.connect(message.node_id)  # a node that registers itself
             if self.registry.observe(message, self.clock()):
                 self._lose(message.node_id, "restarted or was silent past the heartbeat timeout")
             node = self.registry.nodes.get(message.node_id)
@@ -81,9 +93,13 @@ class RouterCore:
 
     def sweep(self) -> list[str]:
         """Fail the requests of nodes that stopped heartbeating; returns those nodes."""
-        dead = self.registry.sweep(self.clock())
+        now = self.clock()
+        dead = self.registry.sweep(now)
         for node_id in dead:
             self._lose(node_id, f"no heartbeat for {self.config.heartbeat_timeout} s")
+        for node_id in self.registry.forget_stale(now):
+            if self.link is not None:
+                self.link.disconnect(node_id)
         return dead
 
     async def sweep_forever(self) -> None:
@@ -95,7 +111,7 @@ class RouterCore:
             except Exception:
                 log.exception("liveness sweep failed")
 
-    def route(self) -> Route:
+    def route(self, prompt: list[int]) -> Route:
         if self.link is None:
             raise OpenAIError(503, "the router is starting up")
         now = self.clock()
@@ -112,10 +128,12 @@ class RouterCore:
             raise OpenAIError(
                 503, f"no healthy {decode_role} node (none has sent a heartbeat in time)"
             )
-        decode = self._choose(pick_decode([self._decode_candidate(n) for n in decodes]))
+        decode = self._choose("decode", [self._decode_candidate(n) for n in decodes], prompt)
         prefill = None
         if prefills:
-            prefill = self._choose(pick_prefill([self._prefill_candidate(n) for n in prefills]))
+            prefill = self._choose(
+                "prefill", [self._prefill_candidate(n) for n in prefills], prompt
+            )
         chosen = [n for n in (prefill, decode) if n is not None]
         limits = ModelLimits(
             max_model_len=min(n.info["max_model_len"] for n in chosen),
@@ -153,6 +171,9 @@ class RouterCore:
             self.abort(request_id, route)
             self.events.close(request_id)
             raise OpenAIError(503, str(exc)) from None
+        if route.prefill is not None:
+            self.policies["prefill"].sent(route.prefill, ids)
+        self.policies["decode"].sent(route.decode, ids)
         blocks = -(-len(ids) // route.block_size)
         self.ledger.sent(request_id, route.prefill, len(ids), route.decode, blocks)
         self.metrics.running.inc()
@@ -193,7 +214,8 @@ class RouterCore:
             healthy = node.healthy(now, self.registry.timeout)
             self.metrics.node_healthy.set(1 if healthy else 0, node=node.node_id, role=node.role)
 
-    def _choose(self, node_id: str | None) -> NodeState:
+    def _choose(self, pool: str, candidates: list[Candidate], prompt: list[int]) -> NodeState:
+        node_id = self.policies[pool].choose(candidates, prompt)
         assert node_id is not None, "the policy got a non-empty candidate list"
         return self.registry.nodes[node_id]
 
@@ -203,13 +225,25 @@ class RouterCore:
             node.node_id,
             free_blocks=node.load_value("free_blocks") - blocks,
             running=node.load_value("running") + count,
+            kv_blocks=_positive_int(node.info.get("num_kv_blocks")),
         )
 
     def _prefill_candidate(self, node: NodeState) -> Candidate:
         queued = node.load_value("queued_tokens") + self.ledger.prefill_tokens(node.node_id)
-        return Candidate(node.node_id, queued_tokens=queued)
+        return Candidate(
+            node.node_id,
+            running=node.load_value("running"),
+            queued_tokens=queued,
+            kv_blocks=_positive_int(node.info.get("num_kv_blocks")),
+        )
 
     def _lose(self, node_id: str, reason: str) -> None:
+        for policy in self.policies.values():
+            policy.node_lost(node_id)
         failed = self.events.node_lost(node_id, reason)
         if failed:
             log.error("node %s lost (%s): failing %d requests", node_id, reason, len(failed))
+
+
+def _positive_int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

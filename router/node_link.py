@@ -30,6 +30,12 @@ class NodeLink(Protocol):
 
     def send(self, node_id: str, message: Any) -> None: ...
 
+    def connect(self, node_id: str) -> None:
+        """A node registered itself: open a line to its control address."""
+
+    def disconnect(self, node_id: str) -> None:
+        """The node was forgotten: close its line (queued messages are dropped)."""
+
 
 class ZmqNodeLink:
     def __init__(self, events_address: str, node_ids: Iterable[str]) -> None:
@@ -40,11 +46,26 @@ class ZmqNodeLink:
         self._events.bind(events_address)
         self._controls: dict[str, zmq.Socket] = {}
         for node_id in node_ids:
-            sock = zmq.Socket(self._ctx, zmq.PUSH)  # synchronous socket on the same context
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+            self.connect(node_id)
+
+    def connect(self, node_id: str) -> None:
+        if node_id in self._controls:
+            return
+        sock = zmq.Socket(self._ctx, zmq.PUSH)  # synchronous socket on the same context
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        try:
             sock.connect(node_id)
-            self._controls[node_id] = sock
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            log.warning("cannot connect to node %r: %s", node_id, exc)
+            return
+        self._controls[node_id] = sock
+
+    def disconnect(self, node_id: str) -> None:
+        sock = self._controls.pop(node_id, None)
+        if sock is not None:
+            sock.close(linger=0)
 
     def send(self, node_id: str, message: Any) -> None:
         sock = self._controls.get(node_id)

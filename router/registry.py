@@ -1,8 +1,13 @@
 """Which nodes exist, which are alive, and what they last reported (pure Python, no sockets).
 
-The nodes are fixed by the command line; a node becomes healthy with its first valid
-heartbeat and is dead once `timeout` seconds pass without one. Every method takes `now`
-(a monotonic timestamp) explicitly, so liveness is testable without sleeping.
+Nodes given on the command line are seeds, known from the start; any other node registers
+with its first heartbeat (its control address is its id, its role the one it reports). A node
+becomes healthy with its first valid heartbeat and is dead once `timeout` seconds pass
+without one; a dead node that was not a seed is forgotten after `forget_after` seconds. A
+node that comes back (same address: a restart is detected by its changed pid / instance id)
+is admitted again. A draining node (it got SIGTERM) is alive but gets no new requests. Every
+method takes `now` (a monotonic timestamp) explicitly, so liveness is testable without
+sleeping.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ INSTANCE_KEYS = ("instance_id", "started_at", "pid")
 @dataclass
 class NodeState:
     node_id: str
-    role: str  # the role the command line gave: "prefill" | "decode" | "colocated"
+    role: str  # "prefill" | "decode" | "colocated": from the command line, else the heartbeat
     info: dict[str, Any] = field(default_factory=dict)
     load: dict[str, Any] = field(default_factory=dict)
     last_heartbeat: float | None = None
@@ -38,32 +43,51 @@ class NodeState:
             and now - self.last_heartbeat <= timeout
         )
 
+    @property
+    def draining(self) -> bool:
+        return self.load.get("draining") is True
+
+    def routable(self, now: float, timeout: float) -> bool:
+        """Healthy and taking new requests."""
+        return self.healthy(now, timeout) and not self.draining
+
     def load_value(self, key: str) -> int:
         value = self.load.get(key, 0)
         return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
 
 
 class NodeRegistry:
-    def __init__(self, prefill: Sequence[str], decode: Sequence[str], timeout: float) -> None:
-        decode_role = "decode" if prefill else "colocated"
+    def __init__(
+        self,
+        prefill: Sequence[str],
+        decode: Sequence[str],
+        timeout: float,
+        *,
+        colocated: bool,
+        forget_after: float = 60.0,
+    ) -> None:
+        if colocated and prefill:
+            raise ValueError(f"a colocated registry takes no prefill nodes, got {list(prefill)}")
+        self.colocated = colocated
         self.timeout = timeout
+        self.forget_after = forget_after
+        decode_role = "colocated" if colocated else "decode"
         self.nodes: dict[str, NodeState] = {n: NodeState(n, "prefill") for n in prefill}
         self.nodes.update({n: NodeState(n, decode_role) for n in decode})
-        self._warned: set[str] = set()
+        self.seeds = frozenset(self.nodes)
 
     @property
-    def colocated(self) -> bool:
-        return all(n.role == "colocated" for n in self.nodes.values())
+    def roles(self) -> tuple[str, ...]:
+        return ("colocated",) if self.colocated else ("prefill", "decode")
 
     def observe(self, hb: Heartbeat, now: float) -> bool:
-        """Record a heartbeat. True when the node's in-flight requests are lost: it had gone
-        silent past the timeout (even if no sweep noticed yet) or it restarted."""
+        """Record a heartbeat (registering a node not seen before). True when the node's
+        in-flight requests are lost: it had gone silent past the timeout (even if no sweep
+        noticed yet) or it restarted."""
         node = self.nodes.get(hb.node_id)
         if node is None:
-            if hb.node_id not in self._warned:
-                self._warned.add(hb.node_id)
-                log.warning("heartbeat from %s, which is not on the command line", hb.node_id)
-            return False
+            node = self.nodes[hb.node_id] = NodeState(hb.node_id, hb.role)
+            log.info("node %s (%s) registered", hb.node_id, hb.role)
         lapsed = node.alive and node.last_heartbeat is not None
         lapsed = lapsed and now - node.last_heartbeat > self.timeout
         restarted = any(
@@ -72,6 +96,8 @@ class NodeRegistry:
         problem = self._problem(node, hb)
         if problem and problem != node.problem:
             log.error("node %s is unusable: %s", node.node_id, problem)
+        if hb.load.get("draining") is True and not node.draining:
+            log.info("node %s is draining: no new requests", node.node_id)
         node.info, node.load, node.last_heartbeat = dict(hb.info), dict(hb.load), now
         node.problem = problem
         if not node.alive and node.problem is None:
@@ -89,14 +115,27 @@ class NodeRegistry:
                 log.error("node %s missed heartbeats for %.1f s: dead", node.node_id, self.timeout)
         return dead
 
+    def forget_stale(self, now: float) -> list[str]:
+        """Drop nodes that are not seeds and have been silent for `forget_after` seconds."""
+        stale = [
+            n.node_id
+            for n in self.nodes.values()
+            if n.node_id not in self.seeds
+            and not n.alive
+            and (n.last_heartbeat is None or now - n.last_heartbeat > self.forget_after)
+        ]
+        for node_id in stale:
+            del self.nodes[node_id]
+            log.info("forgot node %s (silent for %.0f s)", node_id, self.forget_after)
+        return stale
+
     def healthy(self, role: str, now: float) -> list[NodeState]:
-        return [n for n in self.nodes.values() if n.role == role and n.healthy(now, self.timeout)]
+        """Nodes of `role` that may take new requests (heartbeating in time, not draining)."""
+        return [n for n in self.nodes.values() if n.role == role and n.routable(now, self.timeout)]
 
     def has_path(self, now: float) -> bool:
         """A request can be served: a healthy colocated node, or a healthy prefill and decode."""
-        if self.colocated:
-            return bool(self.healthy("colocated", now))
-        return bool(self.healthy("prefill", now)) and bool(self.healthy("decode", now))
+        return all(self.healthy(role, now) for role in self.roles)
 
     def report(self, now: float) -> list[dict[str, Any]]:
         out = []
@@ -110,6 +149,7 @@ class NodeRegistry:
                 "pid": (node.info or {}).get("pid"),
                 "device": (node.info or {}).get("device"),
                 "info": node.info,
+                "draining": node.draining,
                 "load": node.load,
             }
             if node.problem:
@@ -117,8 +157,10 @@ class NodeRegistry:
             out.append(entry)
         return out
 
-    @staticmethod
-    def _problem(node: NodeState, hb: Heartbeat) -> str | None:
+    def _problem(self, node: NodeState, hb: Heartbeat) -> str | None:
+        if hb.role not in self.roles:
+            mode = "colocated" if self.colocated else "pd"
+            return f"reports role {hb.role!r}, which the router's {mode} mode does not use"
         if hb.role != node.role:
             return f"reports role {hb.role!r}, but the command line lists it as {node.role!r}"
         for key in ("max_model_len", "vocab_size"):

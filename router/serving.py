@@ -91,7 +91,7 @@ class GenerationHandler:
             prepared = prepare_chat(parsed, self.tokenizer, self.tool_parser)
         else:
             prepared = prepare_completion(parsed, self.tokenizer)
-        route = self.core.route()
+        route = self.core.route(prepared.prompt_token_ids)
         prepared = apply_limits(prepared, route.limits)
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         marks = TimingMarks(arrival, dispatched=self.core.clock())

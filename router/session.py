@@ -83,7 +83,7 @@ class Session:
         self.route = route
         self.queue = queue
         self.marks = marks
-        self.deadline = marks.arrival + core.config.request_timeout
+        self.deadline = marks.arrival + core.config.request_timeout_s
         params = prepared.params
         self.choices = [
             _Choice(
@@ -150,7 +150,7 @@ class Session:
                 raise asyncio.TimeoutError
             return await asyncio.wait_for(self.queue.get(), remaining)
         except asyncio.TimeoutError:
-            timeout = self.core.config.request_timeout
+            timeout = self.core.config.request_timeout_s
             raise OpenAIError(504, f"the request did not finish within {timeout} s") from None
 
     def _handle(self, event: RequestEvent) -> list[Delta]:

@@ -34,6 +34,7 @@ def heartbeat(
     running: int = 0,
     waiting: int = 0,
     queued_tokens: int = 0,
+    draining: bool = False,
     **info: Any,
 ) -> Heartbeat:
     base = {
@@ -51,6 +52,8 @@ def heartbeat(
         "waiting": waiting,
         "queued_tokens": queued_tokens,
     }
+    if draining:
+        load["draining"] = True
     return Heartbeat(node_id, role, {**base, **info}, load)
 
 
@@ -60,6 +63,8 @@ class LoopbackNodes:
         self.deliver: Callable[[Any], None] | None = None  # the router's on_message
         self.sent: list[tuple[str, Any]] = []
         self.unreachable: set[str] = set()
+        self.connected: list[str] = []  # nodes that registered themselves
+        self.disconnected: list[str] = []  # nodes forgotten
 
     def send(self, node_id: str, message: Any) -> None:
         if node_id in self.unreachable:
@@ -70,6 +75,12 @@ class LoopbackNodes:
         loop = asyncio.get_running_loop()
         for event in self.script(node_id, message):
             loop.call_soon(self.deliver, event)
+
+    def connect(self, node_id: str) -> None:
+        self.connected.append(node_id)
+
+    def disconnect(self, node_id: str) -> None:
+        self.disconnected.append(node_id)
 
     def sent_of(self, kind: type) -> list[tuple[str, Any]]:
         return [(node, m) for node, m in self.sent if isinstance(m, kind)]

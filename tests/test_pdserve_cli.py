@@ -55,7 +55,7 @@ def test_flags_set_both_pools_and_pool_prefixes_override_one():
     assert not configs.engines["prefill"].cache.enable_prefix_caching
     assert configs.engines["decode"].cache.enable_prefix_caching
     assert configs.nodes["prefill"].transport == configs.nodes["decode"].transport == "cuda_ipc"
-    assert configs.router == {"request_timeout": 30.0, "heartbeat_timeout": 2.0}
+    assert configs.router == {"request_timeout_s": 30.0, "heartbeat_timeout": 2.0}
 
 
 def test_plan_gives_each_node_its_ports_gpu_and_only_non_default_flags():

@@ -9,7 +9,7 @@ P, D = "tcp://127.0.0.1:5601", "tcp://127.0.0.1:5701"
 
 
 def pd_registry() -> NodeRegistry:
-    return NodeRegistry([P], [D], timeout=3.0)
+    return NodeRegistry([P], [D], timeout=3.0, colocated=False)
 
 
 def test_nodes_are_unhealthy_until_their_first_heartbeat():
@@ -36,7 +36,7 @@ def test_pd_path_needs_a_healthy_prefill_and_a_healthy_decode_node():
 
 
 def test_colocated_path_needs_one_healthy_colocated_node():
-    registry = NodeRegistry([], [D], timeout=3.0)
+    registry = NodeRegistry([], [D], timeout=3.0, colocated=True)
     assert registry.colocated
     registry.observe(heartbeat(D, "colocated"), now=5.0)
     assert registry.has_path(5.0)
@@ -97,10 +97,39 @@ def test_heartbeat_without_context_length_is_unusable():
     assert registry.healthy("prefill", 1.0) == []
 
 
-def test_heartbeat_from_an_unlisted_node_is_ignored():
+def test_a_node_not_on_the_command_line_registers_with_its_heartbeat():
     registry = pd_registry()
-    assert registry.observe(heartbeat("tcp://elsewhere:1", "prefill"), now=1.0) is False
+    other = "tcp://10.0.0.2:5601"
+    assert registry.observe(heartbeat(other, "prefill"), now=1.0) is False
+    assert registry.nodes[other].role == "prefill"
+    assert [n.node_id for n in registry.healthy("prefill", 1.0)] == [other]
+
+
+def test_a_registered_node_of_a_role_the_mode_does_not_use_is_unusable():
+    registry = pd_registry()
+    registry.observe(heartbeat("tcp://x:1", "colocated"), now=1.0)
+    (entry,) = [n for n in registry.report(1.0) if n["id"] == "tcp://x:1"]
+    assert entry["healthy"] is False and "pd mode" in entry["problem"]
+
+
+def test_a_dead_registered_node_is_forgotten_but_a_seed_is_kept():
+    registry = NodeRegistry([P], [D], timeout=3.0, colocated=False, forget_after=10.0)
+    other = "tcp://10.0.0.2:5601"
+    for node_id, role in [(other, "prefill"), (P, "prefill")]:
+        registry.observe(heartbeat(node_id, role), now=1.0)
+    assert sorted(registry.sweep(5.0)) == sorted([other, P])
+    assert registry.forget_stale(10.0) == []
+    assert registry.forget_stale(11.5) == [other]
     assert set(registry.nodes) == {P, D}
+
+
+def test_a_draining_node_keeps_its_requests_but_gets_no_new_ones():
+    registry = pd_registry()
+    registry.observe(heartbeat(P, "prefill", draining=True), now=1.0)
+    assert registry.healthy("prefill", 1.0) == []
+    assert registry.sweep(1.5) == []  # alive: its in-flight requests are not lost
+    (entry,) = [n for n in registry.report(1.0) if n["id"] == P]
+    assert entry["draining"] is True
 
 
 def test_report_carries_role_age_info_and_load():
@@ -118,5 +147,6 @@ def test_report_carries_role_age_info_and_load():
         "last_heartbeat_age_s": 0.5,
         "pid": 4321,
         "device": "cpu",
+        "draining": False,
         "load": {"free_blocks": 42, "running": 3, "waiting": 0, "queued_tokens": 0},
     }
