@@ -73,6 +73,7 @@ class PrefillRequest:
     sampling: dict[str, Any]  # SamplingParams fields
     decode_node: str  # control address of the decode node that reserved / will reserve blocks
     decode_kv_address: str  # where that decode node receives KV
+    deadline_s: float | None = None  # seconds left at dispatch; the node drops it after that
 
     def __post_init__(self) -> None:
         _coerce_arrays(self, "prompt_token_ids")
@@ -84,6 +85,7 @@ class DecodeRequest:
     prompt_token_ids: IntArray
     sampling: dict[str, Any]
     prefill_node: str | None  # control address of the prefill node; None = prefill locally
+    deadline_s: float | None = None  # seconds left at dispatch; the node drops it after that
 
     def __post_init__(self) -> None:
         _coerce_arrays(self, "prompt_token_ids")

@@ -22,6 +22,8 @@ from kv_transfer import Transfer, TransferConfig, TransferState, create_receiver
 
 log = logging.getLogger(__name__)
 
+EXPIRY_INTERVAL_S = 0.1  # how often requests are checked against their deadlines
+
 
 @dataclass
 class DecodeTiming:
@@ -36,6 +38,7 @@ class DecodeTiming:
     prefill_first_token_at: float | None = None  # prefill node's clock; set only on one host
     sent_first: bool = False
     decode_s: float = 0.0  # parsing the DecodeRequest
+    deadline: float | None = None  # past it the node drops the request (see _expire)
 
     def first_report(self) -> dict[str, float]:
         out = dict(self.prefill_timing)
@@ -84,6 +87,8 @@ class DecodeNode:
         self.timings: dict[str, DecodeTiming] = {}
         self.quarantined: dict[str, PendingDecode] = {}  # aborted, blocks not yet safe to reuse
         self._stopping = False
+        self._last_expiry = 0.0
+        self.expired = 0  # requests dropped at their deadline
 
     # -- loop -------------------------------------------------------------------------------
     def run(self) -> None:
@@ -117,6 +122,7 @@ class DecodeNode:
                 self._transfer_ended(transfer)
         if self.core.has_work():
             self._decode_step()
+        self._expire()
         self.channel.publish_load(self._load)
 
     def handle(self, message: object, decode_s: float = 0.0) -> None:
@@ -155,7 +161,9 @@ class DecodeNode:
             return
         else:
             self.reservations.add(request)
-        self.timings[rid] = DecodeTiming(decode_s=decode_s)
+        timing = self.timings[rid] = DecodeTiming(decode_s=decode_s)
+        if request.deadline_s is not None:
+            timing.deadline = timing.arrived_at + request.deadline_s
 
     def _new_sequence(self, rid: str, prompt: list[int], params: SamplingParams) -> Sequence:
         seq = self.worker.new_sequence(rid, prompt, params)
@@ -273,6 +281,19 @@ class DecodeNode:
         return report
 
     # -- endings ----------------------------------------------------------------------------
+    def _expire(self) -> None:
+        """Drop requests past their deadline: the router gave up on them (its abort may be
+        lost, or the router gone), and whatever they hold is freed here."""
+        now = time.monotonic()
+        if now - self._last_expiry < EXPIRY_INTERVAL_S:
+            return
+        self._last_expiry = now
+        late = [r for r, t in self.timings.items() if t.deadline is not None and now > t.deadline]
+        for rid in late:
+            self.expired += 1
+            self._abort(rid)
+            self.channel.to_router(RequestError(rid, "the request passed its deadline", 504))
+
     def _abort(self, request_id: str) -> None:
         pending = self.reservations.reserved.get(request_id)
         if pending is not None and not self.receiver.cancel(request_id):

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 ENDED_MEMORY = 10_000
 IDLE_WAIT_S = 0.01  # inbox wait of an idle loop
 TRANSFER_WAIT_S = 0.001  # ... of a loop with nothing to compute but transfers in flight
+EXPIRY_INTERVAL_S = 0.1  # how often jobs are checked against their deadlines
 
 
 @dataclass
@@ -43,6 +44,7 @@ class PrefillJob:
     first_token_at: float | None = None
     decode_s: float = 0.0  # parsing the PrefillRequest
     transferring: bool = False
+    deadline: float | None = None  # monotonic; past it the job is failed (see _expire_jobs)
 
 
 class PrefillNode:
@@ -73,6 +75,8 @@ class PrefillNode:
             node_config.ipc_stream_min_tokens if node_config.transport == "cuda_ipc" else 0
         )
         self._stopping = False
+        self._last_expiry = 0.0
+        self.expired = 0  # jobs failed at their deadline
 
     # -- loop -------------------------------------------------------------------------------
     def run(self) -> None:
@@ -104,6 +108,7 @@ class PrefillNode:
         if self.core.has_work():
             self._run_batch()
         self._reap_transfers()
+        self._expire_jobs()
         self.channel.publish_load(self._load)
 
     def handle(self, message: object, decode_s: float = 0.0) -> None:
@@ -112,14 +117,16 @@ class PrefillNode:
         if rid in self._ended and not isinstance(message, Abort):
             return  # a Reservation (or request) that crossed the Abort on the wire
         if isinstance(message, PrefillRequest):
-            job = self.jobs.setdefault(message.request_id, PrefillJob(message.request_id))
+            job = self._job(message.request_id)
             job.request = message
+            if message.deadline_s is not None:
+                job.deadline = time.monotonic() + message.deadline_s
             # prefill_queue runs from here (node_decode before it) even if the Reservation
             # came first, so the node's phases never overlap the router's.
             job.arrived_at, job.decode_s = time.monotonic(), decode_s
             self._maybe_start(job)
         elif isinstance(message, Reservation):
-            job = self.jobs.setdefault(message.request_id, PrefillJob(message.request_id))
+            job = self._job(message.request_id)
             job.reserved_blocks = message.block_ids.tolist()
             self._maybe_start(job)
         elif isinstance(message, Abort):
@@ -129,6 +136,25 @@ class PrefillNode:
             log.warning("prefill node ignores %s", type(message).__name__)
 
     # -- request handling -------------------------------------------------------------------
+    def _job(self, request_id: str) -> PrefillJob:
+        job = self.jobs.get(request_id)
+        if job is None:
+            # Until the request itself arrives (with the router's deadline), a job made by a
+            # Reservation lives at most one transfer deadline: its request may never come.
+            job = self.jobs[request_id] = PrefillJob(request_id)
+            job.deadline = job.arrived_at + self.config.transfer_deadline_s
+        return job
+
+    def _expire_jobs(self) -> None:
+        """Fail jobs past their deadline: the router gave up on them (its abort may be lost)."""
+        now = time.monotonic()
+        if now - self._last_expiry < EXPIRY_INTERVAL_S:
+            return
+        self._last_expiry = now
+        for job in [j for j in self.jobs.values() if j.deadline is not None and now > j.deadline]:
+            self.expired += 1
+            self._fail(job.request_id, "the request passed its deadline on the prefill node", 504)
+
     def _maybe_start(self, job: PrefillJob) -> None:
         if job.request is None or job.reserved_blocks is None or job.seq is not None:
             return
@@ -289,6 +315,7 @@ class PrefillNode:
         queued += sum(s.num_pending_tokens for s in self.scheduler.running)
         return {
             "free_blocks": stats.num_free + stats.num_cached,
+            "used_blocks": stats.num_used,
             "prefix_queried_blocks": allocator.prefix_queried_blocks,
             "prefix_hit_blocks": allocator.prefix_hit_blocks,
             "running": len(self.scheduler.running),

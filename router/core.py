@@ -23,6 +23,7 @@ from common.messages import (
     PrefillRequest,
     int_array,
 )
+from router.admission import Admission
 from router.config import RouterConfig
 from router.errors import OpenAIError
 from router.events import EventRouter, RequestEvent
@@ -71,6 +72,7 @@ class RouterCore:
         )
         self.events = EventRouter()
         self.ledger = LoadLedger()
+        self.admission = Admission(config.max_waiting_requests, config.retry_after_s)
         self.policies = {
             pool: create_policy(name, pool, config.policy_config())
             for pool, name in (("prefill", config.prefill_policy), ("decode", config.decode_policy))
@@ -150,21 +152,30 @@ class RouterCore:
         )
 
     def dispatch(
-        self, request_id: str, prepared: PreparedRequest, route: Route
+        self,
+        request_id: str,
+        prepared: PreparedRequest,
+        route: Route,
+        deadline_s: float | None = None,
     ) -> asyncio.Queue[RequestEvent]:
-        """Send the request to its nodes and open its event queue; a send failure is a 503."""
+        """Send the request to its nodes and open its event queue. A pool with too many
+        requests waiting gives a 429 (nothing sent), a send failure a 503."""
         assert self.link is not None, "route() refuses to run before the link exists"
+        pd = route.prefill is not None
+        self.admission.check(pd)
         ids = int_array(prepared.prompt_token_ids)  # converted once, sent as raw int32 bytes
         sampling = dict(vars(prepared.params))  # flat: no deep copy
         queue = self.events.open(request_id, route.nodes)
         try:
-            self.link.send(route.decode, DecodeRequest(request_id, ids, sampling, route.prefill))
+            self.link.send(
+                route.decode, DecodeRequest(request_id, ids, sampling, route.prefill, deadline_s)
+            )
             if route.prefill is not None:
                 assert route.decode_kv_address is not None, "registry requires kv_address in PD"
                 self.link.send(
                     route.prefill,
                     PrefillRequest(
-                        request_id, ids, sampling, route.decode, route.decode_kv_address
+                        request_id, ids, sampling, route.decode, route.decode_kv_address, deadline_s
                     ),
                 )
         except SendError as exc:
@@ -176,6 +187,7 @@ class RouterCore:
         self.policies["decode"].sent(route.decode, ids)
         blocks = -(-len(ids) // route.block_size)
         self.ledger.sent(request_id, route.prefill, len(ids), route.decode, blocks)
+        self.admission.admitted(request_id, pd)
         self.metrics.running.inc()
         self.metrics.prompt_tokens.inc(len(ids))
         for node_id in route.nodes:
@@ -206,6 +218,7 @@ class RouterCore:
         if request_id in self.events:
             self.events.close(request_id)
             self.ledger.release(request_id)
+            self.admission.release(request_id)
             self.metrics.running.inc(-1)
 
     def update_node_gauges(self) -> None:

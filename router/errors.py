@@ -8,7 +8,10 @@ from fastapi.responses import JSONResponse
 
 _TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
     404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
     499: "client_closed_request",
     500: "server_error",
     503: "service_unavailable_error",
@@ -34,12 +37,13 @@ class OpenAIError(Exception):
         self.message = message
         self.param = param
         self.code = code
+        self.headers: dict[str, str] = {}  # e.g. Retry-After on a 429
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, param=self.param, code=self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
 
 
 def invalid(message: str, param: str | None = None) -> OpenAIError:

@@ -94,8 +94,12 @@ class GenerationHandler:
         route = self.core.route(prepared.prompt_token_ids)
         prepared = apply_limits(prepared, route.limits)
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        marks = TimingMarks(arrival, dispatched=self.core.clock())
-        queue = self.core.dispatch(request_id, prepared, route)
+        now = self.core.clock()
+        marks = TimingMarks(arrival, dispatched=now)
+        # The nodes drop the request on their own at the same deadline, should the router's
+        # abort never reach them.
+        deadline_s = max(0.0, arrival + self.core.config.request_timeout_s - now)
+        queue = self.core.dispatch(request_id, prepared, route, deadline_s)
         marks.sent = self.core.clock()  # router_encode: messages encoded and handed off
         session = Session(self.core, request_id, prepared, route, queue, marks, self.tokenizer)
         formatter = ResponseFormatter(

@@ -162,11 +162,13 @@ class Session:
         outputs: list[tuple[int, list[TokenPiece], bool, str | None]] = []
         self.marks.merge_node_timing(event.timing)
         if isinstance(event, FirstToken):
+            self.core.admission.first_token(self.request_id)
             self._first_seen = True
             first = TokenPiece(event.token_id, event.logprob, _pairs(event.top_logprobs))
             outputs.append((0, [first], event.finished, event.finish_reason))
             early, self._early = self._early, []
         else:
+            self.core.admission.decoding(self.request_id)
             if not self._first_seen:
                 self._early.append(event)  # overtook the prefill node's first token
                 return []

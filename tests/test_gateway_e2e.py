@@ -1,0 +1,81 @@
+"""The router as a gateway, end to end on the real stack (scripts/launch_pd.sh, the embedded
+model): admission control, deadlines, API keys, metrics and hostile frames. One stack serves
+the whole module: an API key, at most 2 requests waiting per pool, a 15 s request deadline."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import httpx
+import pytest
+
+from tests.pd_stack import PDStack
+
+MODEL = "SmolLM2-135M-Instruct"
+KEY = "sk-gateway-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+DEADLINE_S = 15
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = PDStack(
+        "--router-max-waiting-requests", "2",
+        "--router-retry-after-s", "2",
+        "--router-request-timeout-s", str(DEADLINE_S),
+        "--router-api-key", KEY,
+        log_path=tmp_path_factory.mktemp("gateway") / "launch.log",
+    )  # fmt: skip
+    yield s
+    assert s.stop() == [], "processes left after Ctrl-C"
+
+
+def post(stack: PDStack, body: dict, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(
+        stack.url + "/v1/completions",
+        json={"model": MODEL, **body},
+        headers=AUTH if headers is None else headers,
+        timeout=DEADLINE_S + 60,
+    )
+
+
+def blocks_released(stack: PDStack) -> bool:
+    decode, prefill = stack.node("decode")["load"], stack.node("prefill")["load"]
+    return (
+        decode["used_blocks"] == 0
+        and decode["reserved"] == 0
+        and decode["quarantined"] == 0
+        and prefill["used_blocks"] == 0
+    )
+
+
+def test_overload_past_the_waiting_bound_gets_429_while_admitted_requests_complete(stack):
+    # 8 prompts at once for a bound of 2 waiting per pool: the router refuses what does not fit
+    # at once (prefills take far longer than the router needs to answer 8 requests).
+    prompts = [[100 + (7 * i + j) % 3000 for j in range(200)] for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        responses = list(
+            pool.map(
+                lambda p: post(stack, {"prompt": p, "max_tokens": 4, "ignore_eos": True}), prompts
+            )
+        )
+    refused = [r for r in responses if r.status_code == 429]
+    served = [r for r in responses if r.status_code != 429]
+    assert refused, [r.status_code for r in responses]
+    for r in refused:
+        assert r.headers["retry-after"] == "2"
+        assert r.json()["error"]["type"] == "rate_limit_error"
+    assert len(served) >= 2
+    for r in served:
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+    stack.wait_for(lambda: blocks_released(stack), "blocks to be released after the burst")
+
+
+def test_a_request_past_its_deadline_gets_504_and_frees_its_blocks_on_every_node(stack):
+    # 4000 tokens take minutes on a CPU: the deadline ends the request long before.
+    r = post(stack, {"prompt": "Count to ten thousand.", "max_tokens": 4000, "ignore_eos": True})
+    assert r.status_code == 504, r.text
+    assert str(DEADLINE_S) in r.json()["error"]["message"]
+    stack.wait_for(lambda: blocks_released(stack), "blocks to be released after the deadline")
+    assert post(stack, {"prompt": "Hello", "max_tokens": 2}).status_code == 200
