@@ -3,7 +3,8 @@
 Every message is a frozen dataclass registered by name; `encode` writes
 `{"type": name, **fields}` with msgpack (never pickle) and `decode` checks the type name and
 every field's type before building the dataclass, so a malformed or hostile frame raises
-`MessageError` instead of reaching node logic.
+`MessageError` instead of reaching node logic. With a cluster secret set, frames are signed
+(`common.wire_auth`) and an unsigned or forged one is a `MessageError` too.
 
 Integer arrays (prompt token ids, block ids, a step's sampled tokens) are `IntArray` fields:
 1-D little-endian int32 numpy arrays that travel as one msgpack `bin` of their raw bytes.
@@ -35,6 +36,8 @@ import numpy as np
 INT_DTYPE = np.dtype("<i4")
 IntArray = NewType("IntArray", np.ndarray)  # 1-D little-endian int32; msgpack bin on the wire
 FINISH_REASONS = frozenset({"stop", "length", "abort", "error"})
+
+from common.wire_auth import SIGNER, SignatureError
 
 
 class MessageError(ValueError):
@@ -228,10 +231,16 @@ def encode(message: Any) -> bytes:
     for name in names:
         value = getattr(message, name)
         body[name] = value.data if isinstance(value, np.ndarray) else value
-    return msgpack.packb(body, use_bin_type=True)
+    return SIGNER.sign(msgpack.packb(body, use_bin_type=True))
 
 
 def decode(frame: bytes) -> Any:
+    """The message in `frame`; MessageError (never anything else) for a bad signature (see
+    common.wire_auth), undecodable bytes, an unknown type or a field of the wrong type."""
+    try:
+        frame = SIGNER.verify(frame)
+    except SignatureError as exc:
+        raise MessageError(str(exc)) from None
     try:
         raw = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from common import envs
 from common.config import EngineConfig, add_dataclass_args, engine_config_from_args
+from common.wire_auth import require_secret_for
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,10 @@ def parse_node_args(
     add_dataclass_args(parser, EngineConfig)
     args = parser.parse_args(argv)
     node = NodeConfig(**{f: getattr(args, f) for f in NodeConfig.__dataclass_fields__})
+    try:
+        require_secret_for([node.control_address, node.kv_address])
+    except ValueError as exc:
+        parser.error(str(exc))
     return node, engine_config_from_args(args)
 
 

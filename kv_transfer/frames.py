@@ -3,7 +3,8 @@
 A header is `{"kind": ..., **fields}`. A "layer" header is followed by one payload frame with
 the layer's K and V of the request's blocks; "complete" and "abort" travel alone. Decoding
 checks every field's type, so what reaches the receiver's logic is well-typed; whether it fits
-the expected transfer and the pool is the receiver's check.
+the expected transfer and the pool is the receiver's check. With a cluster secret set, headers
+are signed (`common.wire_auth`); payload frames are not.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import msgpack
 
 from common.messages import MessageError, from_fields
+from common.wire_auth import SIGNER, SignatureError
 
 MAX_HEADER_BYTES = 16 << 20  # a header is block ids plus small metadata; refuse anything huge
 
@@ -63,6 +65,7 @@ def encode_header(header: Header) -> bytes:
         )
     except (TypeError, ValueError, OverflowError) as exc:
         raise ValueError(f"{type(header).__name__} is not msgpack-able: {exc}") from None
+    frame = SIGNER.sign(frame)
     if isinstance(header, CompleteHeader):  # free-form metadata: refuse here what the peer would
         try:
             decode_header(frame)
@@ -76,6 +79,10 @@ def decode_header(frame: bytes, kinds: Mapping[str, type] = KINDS) -> Any:
     `kinds` (these headers' kinds plus its own) to get the same checks for all of them."""
     if len(frame) > MAX_HEADER_BYTES:
         raise FrameError(f"header of {len(frame)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        frame = SIGNER.verify(frame)
+    except SignatureError as exc:
+        raise FrameError(str(exc)) from None
     try:
         raw = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types

@@ -32,6 +32,7 @@ from typing import Any
 import msgpack
 import torch
 
+from common.wire_auth import SIGNER
 from kv_transfer.frames import KINDS, decode_header
 
 
@@ -102,7 +103,9 @@ _KIND_OF: dict[type, str] = {cls: kind for kind, cls in IPC_KINDS.items()}
 def encode_message(message: Any) -> bytes:
     """One of this module's messages (frames' headers have `encode_header`)."""
     fields = dataclasses.asdict(message)
-    return msgpack.packb({"kind": _KIND_OF[type(message)], **fields}, use_bin_type=True)
+    return SIGNER.sign(
+        msgpack.packb({"kind": _KIND_OF[type(message)], **fields}, use_bin_type=True)
+    )
 
 
 def decode_message(frame: bytes) -> Any:

@@ -8,12 +8,14 @@ from collections.abc import Sequence
 
 import uvicorn
 
+from common.wire_auth import require_secret_for
 from router.config import build_parser, config_from_args
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     try:
         config = config_from_args(argv)
+        require_secret_for([config.events_address])
     except ValueError as exc:
         build_parser().error(str(exc))
     logging.basicConfig(

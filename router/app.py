@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.loader import ModelSource, resolve_model
 from common.tokenizer import load_tokenizer
+from router import gateway
 from router.config import RouterConfig
 from router.core import RouterCore
 from router.errors import OpenAIError, error_body, from_validation_errors
@@ -78,6 +79,7 @@ def create_app(
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.core = core
+    gateway.install(app, config)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:

@@ -1,12 +1,15 @@
 """The router as a gateway, end to end on the real stack (scripts/launch_pd.sh, the embedded
 model): admission control, deadlines, API keys, metrics and hostile frames. One stack serves
-the whole module: an API key, at most 2 requests waiting per pool, a 15 s request deadline."""
+the whole module: an API key, at most 2 requests waiting per pool, a 15 s request deadline,
+and a cluster secret, so every control message and KV header between the processes is signed."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
 
 import httpx
+import openai
 import pytest
 
 from tests.pd_stack import PDStack
@@ -25,6 +28,7 @@ def stack(tmp_path_factory):
         "--router-request-timeout-s", str(DEADLINE_S),
         "--router-api-key", KEY,
         log_path=tmp_path_factory.mktemp("gateway") / "launch.log",
+        env={**os.environ, "PDSERVE_CLUSTER_SECRET": "gateway-test-secret"},
     )  # fmt: skip
     yield s
     assert s.stop() == [], "processes left after Ctrl-C"
@@ -79,3 +83,17 @@ def test_a_request_past_its_deadline_gets_504_and_frees_its_blocks_on_every_node
     assert str(DEADLINE_S) in r.json()["error"]["message"]
     stack.wait_for(lambda: blocks_released(stack), "blocks to be released after the deadline")
     assert post(stack, {"prompt": "Hello", "max_tokens": 2}).status_code == 200
+
+
+def test_the_openai_client_needs_the_right_api_key(stack):
+    def client(key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+    resp = client(KEY).completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    assert resp.usage.completion_tokens == 2
+    with pytest.raises(openai.AuthenticationError) as wrong:
+        client("sk-wrong").completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    assert wrong.value.status_code == 401 and wrong.value.code == "invalid_api_key"
+    missing = httpx.post(stack.url + "/v1/completions", json={"prompt": "Hi"}, timeout=30)
+    assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+    assert stack.get("/health")[0] == 200  # open without a key
