@@ -11,7 +11,7 @@ each, every pool with its own options (prefill token budget, decode batch size).
 dummy Qwen2.5-7B weights, token-id prompts (random, fixed seed, no prefix-cache hits),
 `ignore_eos`, streamed. Per layout, after an untimed warm-up that reaches every node:
   - output tokens/s, and the client's TTFT and inter-token latency medians;
-  - requests each node served (the router's pdserve_router_node_requests_total);
+  - requests each node served (the router's pdserve:node_requests_total);
   - KV routes the prefill nodes logged: direct CUDA IPC writes, or the frames fallback;
   - the nodes' KV blocks still held once the load ended (reserved, used, in transfer).
 A layout passes when every request returned max_tokens tokens, every node served requests,
@@ -41,7 +41,7 @@ from benchmarks.loadgen.workloads import WorkloadConfig, build_workload  # noqa:
 from benchmarks.stack import PDStack, same_python_env  # noqa: E402
 
 NODE_REQUESTS = re.compile(
-    r'^pdserve_router_node_requests_total\{node="([^"]+)",role="([^"]+)"\} (\S+)$', re.M
+    r'^pdserve:node_requests_total\{[^}]*node="([^"]+)",role="([^"]+)"\} (\S+)$', re.M
 )
 
 

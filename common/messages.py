@@ -33,11 +33,11 @@ from typing import Any, NewType
 import msgpack
 import numpy as np
 
+from common.wire_auth import SIGNER, SignatureError
+
 INT_DTYPE = np.dtype("<i4")
 IntArray = NewType("IntArray", np.ndarray)  # 1-D little-endian int32; msgpack bin on the wire
 FINISH_REASONS = frozenset({"stop", "length", "abort", "error"})
-
-from common.wire_auth import SIGNER, SignatureError
 
 
 class MessageError(ValueError):

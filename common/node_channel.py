@@ -53,6 +53,7 @@ class NodeChannel:
         self.router_address = router_address
         self._heartbeat: HeartbeatThread | None = None
         self._last_load = 0.0
+        self.invalid_messages = 0  # frames dropped as invalid (undecodable, unsigned, mistyped)
 
     def _push(self, address: str) -> zmq.Socket:
         sock = self.context.socket(zmq.PUSH)
@@ -79,6 +80,7 @@ class NodeChannel:
             try:
                 message = decode(frame)
             except MessageError as exc:
+                self.invalid_messages += 1
                 log.warning("dropped an invalid control message: %s", exc)
                 continue
             messages.append((message, time.monotonic() - start))

@@ -79,6 +79,7 @@ class Scheduler:
         # Sequences whose KV is already in their blocks (decode node, after a transfer), in
         # arrival order, waiting for a place among at most max_num_seqs running ones.
         self.ready: deque[Sequence] = deque()
+        self.num_preemptions = 0  # since start (a node reports it)
         self.hold_frees = False  # a step is in flight: finished sequences' blocks wait
         self._held: list[int] = []
 
@@ -225,6 +226,7 @@ class Scheduler:
         self.running.remove(seq)
         self._release_blocks(seq)
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 

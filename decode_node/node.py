@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from common.config import EngineConfig
@@ -88,7 +89,10 @@ class DecodeNode:
         self.quarantined: dict[str, PendingDecode] = {}  # aborted, blocks not yet safe to reuse
         self._stopping = False
         self._last_expiry = 0.0
-        self.expired = 0  # requests dropped at their deadline
+        # Counters since start, reported in the heartbeat load (the router's /metrics).
+        self.stats: Counter[str] = Counter()
+        pool = self.worker.kv_cache.pool
+        self._block_bytes = pool[:, :, 0].numel() * pool.element_size()  # all layers, K and V
 
     # -- loop -------------------------------------------------------------------------------
     def run(self) -> None:
@@ -192,6 +196,7 @@ class DecodeNode:
         if pending is None or timing is None:
             return
         if transfer.state is TransferState.FAILED:
+            self.stats["kv_transfer_failures"] += 1
             self.worker.allocator.free(pending.block_ids)
             self._end(rid)
             self.channel.to_router(RequestError(rid, f"KV transfer failed: {transfer.error}", 500))
@@ -199,6 +204,9 @@ class DecodeNode:
         meta = transfer.metadata or {}
         timing.kv_landed_at = transfer.finished_at or time.monotonic()
         timing.kv_first_frame_at = transfer.in_flight_at
+        self.stats["kv_transfer_bytes"] += len(pending.block_ids) * self._block_bytes
+        start = transfer.in_flight_at or pending.reserved_at or timing.kv_landed_at
+        self.stats["kv_transfer_seconds"] += timing.kv_landed_at - start
         timing.prefill_timing = {k: float(v) for k, v in (meta.get("timing") or {}).items()}
         if meta.get("host_id") == HOST_ID and isinstance(meta.get("first_token_at"), float):
             timing.prefill_first_token_at = meta["first_token_at"]
@@ -250,6 +258,9 @@ class DecodeNode:
             report = self._first_report(rid)
             if report is not None:
                 timing[rid] = report
+                if self.colocated:  # the prompt was looked up in this node's prefix cache
+                    self.stats["prefix_cache_queries"] += len(seq.prompt_token_ids)
+                    self.stats["prefix_cache_hits"] += seq.num_cached_tokens
             finished = seq.status is SequenceStatus.FINISHED
             reasons.append(seq.finish_reason.value if finished and seq.finish_reason else None)
             if finished:  # this sample; the request ends with its last sample
@@ -290,7 +301,7 @@ class DecodeNode:
         self._last_expiry = now
         late = [r for r, t in self.timings.items() if t.deadline is not None and now > t.deadline]
         for rid in late:
-            self.expired += 1
+            self.stats["expired_requests"] += 1
             self._abort(rid)
             self.channel.to_router(RequestError(rid, "the request passed its deadline", 504))
 
@@ -317,7 +328,7 @@ class DecodeNode:
         self.choices.forget(request_id)
         self.core.release(request_id)
 
-    def _load(self) -> dict[str, int]:
+    def _load(self) -> dict[str, int | float]:
         allocator = self.worker.allocator
         stats = allocator.stats()
         return {
@@ -332,4 +343,7 @@ class DecodeNode:
             "reserved": len(self.reservations.reserved),
             "quarantined": len(self.quarantined),
             "queued_tokens": sum(s.num_pending_tokens for s in self.scheduler.waiting),
+            "invalid_messages": self.channel.invalid_messages,
+            "preemptions": self.scheduler.num_preemptions,
+            **self.stats,
         }

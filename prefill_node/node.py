@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from common.config import EngineConfig
@@ -76,7 +76,8 @@ class PrefillNode:
         )
         self._stopping = False
         self._last_expiry = 0.0
-        self.expired = 0  # jobs failed at their deadline
+        # Counters since start, reported in the heartbeat load (the router's /metrics).
+        self.stats: Counter[str] = Counter()
 
     # -- loop -------------------------------------------------------------------------------
     def run(self) -> None:
@@ -152,7 +153,7 @@ class PrefillNode:
             return
         self._last_expiry = now
         for job in [j for j in self.jobs.values() if j.deadline is not None and now > j.deadline]:
-            self.expired += 1
+            self.stats["expired_requests"] += 1
             self._fail(job.request_id, "the request passed its deadline on the prefill node", 504)
 
     def _maybe_start(self, job: PrefillJob) -> None:
@@ -218,6 +219,8 @@ class PrefillNode:
     def _first_token_ready(self, seq: Sequence) -> None:
         job = self.jobs[seq.request_id]
         job.first_token_at = time.monotonic()
+        self.stats["prefix_cache_queries"] += len(seq.prompt_token_ids)
+        self.stats["prefix_cache_hits"] += seq.num_cached_tokens
         self.core.release(seq.request_id)
         token = seq.output_token_ids[0]
         logprob = seq.output_logprobs[0] if seq.output_logprobs else None
@@ -268,6 +271,7 @@ class PrefillNode:
             if job is None:
                 continue
             if transfer.state is TransferState.FAILED:
+                self.stats["kv_transfer_failures"] += 1
                 self._fail(job.request_id, f"KV transfer failed: {transfer.error}", 500)
             else:
                 self._drop(job)
@@ -308,7 +312,7 @@ class PrefillNode:
             self.worker.allocator.free(seq.block_ids)
             seq.block_ids = []
 
-    def _load(self) -> dict[str, int]:
+    def _load(self) -> dict[str, int | float]:
         allocator = self.worker.allocator
         stats = allocator.stats()
         queued = sum(s.num_pending_tokens for s in self.scheduler.waiting)
@@ -323,4 +327,6 @@ class PrefillNode:
             + sum(1 for j in self.jobs.values() if j.seq is None),
             "queued_tokens": queued,
             "transferring": sum(1 for j in self.jobs.values() if j.transferring),
+            "invalid_messages": self.channel.invalid_messages,
+            **self.stats,
         }

@@ -15,7 +15,7 @@ Lifecycle of one request (PD mode), with the module for each step:
 7. `session`: detokenizes, applies stop strings and max_tokens, aborts the nodes when the
    router ends the request, fails it on a node error, a lost node or the deadline.
 8. `formatting`: OpenAI bodies / SSE chunks with usage and the `timing` record (`timing`);
-   `metrics` exports counters and histograms at /metrics.
+   `metrics` exports counters and histograms at /metrics (prometheus_client, vLLM's names).
 Colocated mode skips the prefill node: the decode node prefills and sends every token.
 Tests play the nodes in-process with `tests/router_fakes.py`; `config` and `__main__` are
 the command line; `app` assembles the FastAPI application.

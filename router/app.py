@@ -49,7 +49,7 @@ def create_app(
         tokenizer = load_tokenizer(source.directory)
     served = config.served_model_name or source.name
     names = [served, *sorted({source.name, config.model or source.name} - {served})]
-    core = RouterCore(config, RouterMetrics(), link=link, clock=clock)
+    core = RouterCore(config, RouterMetrics(served), link=link, clock=clock)
     handler = GenerationHandler(core, tokenizer, names)
     created = int(time.time())
 
@@ -139,7 +139,7 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        core.update_node_gauges()
+        core.refresh_gauges()
         return PlainTextResponse(core.metrics.render(), media_type=CONTENT_TYPE)
 
     return app

@@ -27,7 +27,7 @@ from router.admission import Admission
 from router.config import RouterConfig
 from router.errors import OpenAIError
 from router.events import EventRouter, RequestEvent
-from router.metrics import RouterMetrics
+from router.metrics import NodeCollector, RouterMetrics
 from router.node_link import NodeLink, SendError
 from router.policy import Candidate, LoadLedger, create_policy
 from router.prepare import ModelLimits, PreparedRequest
@@ -73,6 +73,7 @@ class RouterCore:
         self.events = EventRouter()
         self.ledger = LoadLedger()
         self.admission = Admission(config.max_waiting_requests, config.retry_after_s)
+        metrics.add_collector(NodeCollector(metrics.model_name, self._node_snapshot))
         self.policies = {
             pool: create_policy(name, pool, config.policy_config())
             for pool, name in (("prefill", config.prefill_policy), ("decode", config.decode_policy))
@@ -188,10 +189,8 @@ class RouterCore:
         blocks = -(-len(ids) // route.block_size)
         self.ledger.sent(request_id, route.prefill, len(ids), route.decode, blocks)
         self.admission.admitted(request_id, pd)
-        self.metrics.running.inc()
-        self.metrics.prompt_tokens.inc(len(ids))
-        for node_id in route.nodes:
-            self.metrics.node_requests.inc(node=node_id, role=self.registry.nodes[node_id].role)
+        roles = [(n, self.registry.nodes[n].role) for n in route.nodes]
+        self.metrics.dispatched(len(ids), roles)
         return queue
 
     def abort(self, request_id: str, route: Route) -> None:
@@ -219,13 +218,20 @@ class RouterCore:
             self.events.close(request_id)
             self.ledger.release(request_id)
             self.admission.release(request_id)
-            self.metrics.running.inc(-1)
+            self.metrics.released()
 
-    def update_node_gauges(self) -> None:
-        now = self.clock()
-        for node in self.registry.nodes.values():
-            healthy = node.healthy(now, self.registry.timeout)
-            self.metrics.node_healthy.set(1 if healthy else 0, node=node.node_id, role=node.role)
+    def refresh_gauges(self) -> None:
+        """Gauges kept by the router itself, brought up to date before a scrape."""
+        for pool in ("prefill", "decode"):
+            waiting = self.admission.waiting(pool)
+            self.metrics.waiting.labels(self.metrics.model_name, pool).set(waiting)
+
+    def _node_snapshot(self) -> list[tuple[str, str, bool, dict[str, Any], dict[str, Any]]]:
+        now, timeout = self.clock(), self.registry.timeout
+        return [
+            (n.node_id, n.role, n.healthy(now, timeout), n.info, n.load)
+            for n in list(self.registry.nodes.values())
+        ]
 
     def _choose(self, pool: str, candidates: list[Candidate], prompt: list[int]) -> NodeState:
         node_id = self.policies[pool].choose(candidates, prompt)

@@ -139,7 +139,12 @@ class Session:
         if not self._nodes_done:
             self.core.abort(self.request_id, self.route)
         self.core.release(self.request_id)
-        self.core.metrics.request_done(self.status, self.timing(), self.completion_tokens)
+        self.core.metrics.request_done(
+            self.status,
+            self.timing(),
+            self.completion_tokens,
+            [c.finish_reason for c in self.choices if c.finish_reason is not None],
+        )
 
     async def _next(self) -> RequestEvent:
         if not self.queue.empty():

@@ -150,3 +150,14 @@ class ManualClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def metric(text: str, name: str, **labels: str) -> float | None:
+    """The value of the sample `name` whose labels include `labels`, in a /metrics body."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                return sample.value
+    return None

@@ -13,6 +13,7 @@ from common import SamplingParams
 from common.tokenizer import apply_chat_template
 from router.timing import TTFT_PHASES
 from tests.pd_stack import PDStack
+from tests.router_fakes import metric
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -202,9 +203,15 @@ def test_models_and_health_endpoints(stack):
     assert all(n["healthy"] for n in health["nodes"])
 
 
-def test_metrics_endpoint_counts_requests(stack):
+def test_metrics_endpoint_counts_requests_and_reports_every_node(stack):
     text = httpx.get(stack.url + "/metrics", timeout=10).text
-    assert "pdserve_router_" in text
+    assert metric(text, "pdserve:requests_total", model_name=MODEL, status="200") > 0
+    assert metric(text, "pdserve:time_to_first_token_seconds_count", model_name=MODEL) > 0
+    for role in ("prefill", "decode"):
+        assert metric(text, "pdserve:node_healthy", role=role) == 1
+        assert metric(text, "pdserve:kv_cache_usage_perc", role=role) is not None
+    assert metric(text, "pdserve:prefix_cache_queries_total", role="prefill") > 0
+    assert metric(text, "pdserve:kv_transfer_bytes_total", role="decode") > 0
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from common.loader import ModelSource
 from common.tokenizer import load_tokenizer
 from router.app import create_app
 from router.config import RouterConfig
-from tests.router_fakes import LoopbackNodes, ManualClock, generation_script, heartbeat
+from tests.router_fakes import LoopbackNodes, ManualClock, generation_script, heartbeat, metric
 
 P, D = "tcp://127.0.0.1:5601", "tcp://127.0.0.1:5701"
 MODEL = "smol"
@@ -177,4 +177,4 @@ def test_errors_are_counted_by_status(app):
     call(app, "POST", TEXT, {"prompt": "a", "model": "x"})
     text = call(app, "GET", "/metrics").text
     for status in ("400", "404", "503"):
-        assert f'pdserve_router_requests_total{{status="{status}"}} 1' in text
+        assert metric(text, "pdserve:requests_total", status=status) == 1

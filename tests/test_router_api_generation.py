@@ -22,7 +22,14 @@ from common.messages import (
 from common.tokenizer import load_tokenizer
 from router.app import create_app
 from router.config import RouterConfig
-from tests.router_fakes import LoopbackNodes, ManualClock, Script, generation_script, heartbeat
+from tests.router_fakes import (
+    LoopbackNodes,
+    ManualClock,
+    Script,
+    generation_script,
+    heartbeat,
+    metric,
+)
 
 P, D, C = "tcp://127.0.0.1:5601", "tcp://127.0.0.1:5701", "tcp://127.0.0.1:5801"
 CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
@@ -338,7 +345,7 @@ def test_streaming_request_ends_with_an_error_event_when_a_node_dies(make):
     events = sse_events(asyncio.run(scenario()))
     assert events[0]["choices"][0]["text"] == "hello"
     assert set(events[-1]) == {"error"} and "[DONE]" not in events
-    assert 'status="503"' in core.metrics.render()
+    assert metric(core.metrics.render(), "pdserve:requests_total", status="503") == 1
 
 
 def test_losing_the_prefill_node_after_decode_took_over_is_harmless(make, answer_ids):
@@ -389,7 +396,7 @@ def test_send_failure_is_503_and_leaves_nothing_in_flight(make):
     assert response.status_code == 503
     assert link.sent_of(Abort) == [(D, Abort(link.sent[0][1].request_id))]
     assert len(core.events) == 0
-    assert "pdserve_router_requests_running 0" in core.metrics.render()
+    assert metric(core.metrics.render(), "pdserve:router_requests_in_flight") == 0
 
 
 def asgi_scope(path: str) -> dict[str, Any]:
@@ -449,7 +456,7 @@ def test_client_disconnect_during_a_stream_aborts_both_nodes(make):
     rid = link.sent[0][1].request_id
     assert link.sent_of(Abort) == [(P, Abort(rid)), (D, Abort(rid))]
     assert len(core.events) == 0
-    assert 'pdserve_router_requests_total{status="499"} 1' in core.metrics.render()
+    assert metric(core.metrics.render(), "pdserve:requests_total", status="499") == 1
 
 
 def test_client_disconnect_during_a_non_streaming_request_aborts_both_nodes(make):
@@ -511,11 +518,14 @@ def test_metrics_count_requests_tokens_and_phases(make, answer_ids):
     post(app, TEXT, {"prompt": "x", "max_tokens": 3})
     post(app, TEXT, {"prompt": "x", "max_tokens": 3, "stream": True})
     text = core.metrics.render()
-    assert 'pdserve_router_requests_total{status="200"} 2' in text
-    assert "pdserve_router_generation_tokens_total 6" in text
-    assert "pdserve_router_time_to_first_token_seconds_count 2" in text
-    assert "pdserve_router_inter_token_latency_seconds_count 4" in text
-    assert 'pdserve_router_phase_seconds_count{phase="prefill_compute"} 2' in text
-    assert "pdserve_router_requests_running 0" in text
-    assert f'pdserve_router_node_requests_total{{node="{P}",role="prefill"}} 2' in text
-    assert f'pdserve_router_node_requests_total{{node="{D}",role="decode"}} 2' in text
+    model = {"model_name": "smol"}
+    assert metric(text, "pdserve:requests_total", status="200", **model) == 2
+    assert metric(text, "pdserve:request_success_total", finished_reason="length") == 2
+    assert metric(text, "pdserve:generation_tokens_total", **model) == 6
+    assert metric(text, "pdserve:time_to_first_token_seconds_count", **model) == 2
+    assert metric(text, "pdserve:inter_token_latency_seconds_count", **model) == 4
+    assert metric(text, "pdserve:request_prefill_time_seconds_count", **model) == 2
+    assert metric(text, "pdserve:request_phase_seconds_count", phase="prefill_compute") == 2
+    assert metric(text, "pdserve:router_requests_in_flight", **model) == 0
+    assert metric(text, "pdserve:node_requests_total", node=P, role="prefill") == 2
+    assert metric(text, "pdserve:node_requests_total", node=D, role="decode") == 2
