@@ -45,6 +45,13 @@ class NodeConfig:
     fail_transfer_rate: float = field(
         default=0.0, metadata={"help": "tests only: fraction of transfers failed on purpose"}
     )
+    drain_timeout_s: float = field(
+        default=60.0,
+        metadata={
+            "help": "after SIGTERM the node takes no new requests and exits once idle, or "
+            "after this many seconds (SIGINT: at once)"
+        },
+    )
     colocated: bool = field(
         default=False, metadata={"help": "decode node: prefill locally too (no prefill node)"}
     )

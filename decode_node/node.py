@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import signal
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -13,6 +12,7 @@ from common.engine_core import EngineCore
 from common.messages import Abort, DecodeRequest, RequestError, Reservation, TokenBatch
 from common.node_channel import HOST_ID, NodeChannel, runtime_info
 from common.node_config import NodeConfig
+from common.node_lifecycle import Lifecycle
 from common.sampling_params import SamplingParams
 from common.scheduler import SampledToken, ScheduledBatch, Scheduler
 from common.sequence import Sequence, SequenceStatus
@@ -87,7 +87,7 @@ class DecodeNode:
         self.info = runtime_info(self.worker.runtime, **extra)
         self.timings: dict[str, DecodeTiming] = {}
         self.quarantined: dict[str, PendingDecode] = {}  # aborted, blocks not yet safe to reuse
-        self._stopping = False
+        self.lifecycle = Lifecycle(node_config.drain_timeout_s)
         self._last_expiry = 0.0
         # Counters since start, reported in the heartbeat load (the router's /metrics).
         self.stats: Counter[str] = Counter()
@@ -96,12 +96,11 @@ class DecodeNode:
 
     # -- loop -------------------------------------------------------------------------------
     def run(self) -> None:
-        signal.signal(signal.SIGTERM, lambda *_: self.stop())
-        signal.signal(signal.SIGINT, lambda *_: self.stop())
+        self.lifecycle.install_signal_handlers()
         log.info("%s node %s ready", self.channel.role, self.channel.node_id)
         self.channel.start_heartbeat(self.info)
         try:
-            while not self._stopping:
+            while not self.lifecycle.should_exit(idle=not self.timings and not self.quarantined):
                 self.step()
         finally:
             if self.receiver is not None:
@@ -109,7 +108,7 @@ class DecodeNode:
             self.channel.close()
 
     def stop(self) -> None:
-        self._stopping = True
+        self.lifecycle.stop()
 
     def step(self) -> None:
         busy = self.core.has_work()
@@ -345,5 +344,6 @@ class DecodeNode:
             "queued_tokens": sum(s.num_pending_tokens for s in self.scheduler.waiting),
             "invalid_messages": self.channel.invalid_messages,
             "preemptions": self.scheduler.num_preemptions,
+            "draining": self.lifecycle.draining,
             **self.stats,
         }

@@ -23,7 +23,9 @@ from router.config import RouterConfig, add_router_args
 
 POOLS = ("prefill", "decode")
 NODE_ONLY = {"control_address", "router_address", "kv_address", "colocated", "model"}
-ROUTER_ONLY = {"model", "served_model_name", "host", "port", "prefill", "decode", "events_address"}
+ROUTER_ONLY = {
+    "model", "served_model_name", "host", "port", "prefill", "decode", "events_address", "mode",
+}  # fmt: skip
 
 
 def _gpu_list(text: str) -> tuple[int, ...]:
@@ -66,6 +68,11 @@ class LaunchConfig:
     health_timeout: float = field(
         default=600.0, metadata={"help": "seconds to wait for every node to be healthy"}
     )
+    restart_nodes: bool = field(
+        default=False,
+        metadata={"help": "start a node again (same flags and addresses) whenever it exits; "
+                  "it rejoins with its first heartbeat"},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.num_decode < 1 or (self.num_prefill < 1 and not self.colocated):

@@ -1,9 +1,11 @@
 """Run a `Plan`: start the nodes and the router, wait until every node is healthy, print one
 line per node (weights, KV blocks, the concurrency they allow), then watch the processes.
 
-Ctrl-C or SIGTERM stops every process this launcher started (SIGTERM, then SIGKILL after 5 s).
-A node that dies while serving is reported and gets no more work (the router's /health shows
-it); the launcher ends when the router itself exits.
+Ctrl-C or SIGTERM stops every process this launcher started (SIGINT, which stops a node at
+once, then SIGKILL after 5 s; SIGTERM would make a node drain). A node that dies while serving
+is reported and gets no more work (the router's /health shows it); with `--restart-nodes` it is
+started again with the same command line and rejoins with its first heartbeat. The launcher
+ends when the router itself exits.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Launcher:
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1")
 
     def run(self) -> int:
         for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
@@ -58,7 +61,7 @@ class Launcher:
         raise Stop(code)
 
     def _start_all(self) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = self.env
         cpu_only = all("cuda" not in " ".join(n.argv) for n in self.plan.nodes)
         if cpu_only and "OMP_NUM_THREADS" not in env:
             # CPU nodes share the cores: without this each process would start one torch
@@ -98,13 +101,18 @@ class Launcher:
             flush=True,
         )
         reported: set[str] = set()
+        argv = {node.name: node.argv for node in self.plan.nodes}
         while True:
-            for name, proc in self.procs:
+            for i, (name, proc) in enumerate(self.procs):
                 if proc.poll() is not None and name not in reported:
-                    reported.add(name)
                     say(f"{name} (pid {proc.pid}) exited with {proc.returncode}")
                     if name == "router":
                         raise Stop(1)
+                    if launch.restart_nodes:
+                        self.procs[i] = (name, subprocess.Popen(argv[name], env=self.env))
+                        say(f"restarted {name} (pid {self.procs[i][1].pid})")
+                    else:
+                        reported.add(name)
             time.sleep(POLL_S)
 
     def health(self) -> dict[str, Any] | None:
@@ -122,7 +130,7 @@ class Launcher:
     def stop_all(self) -> None:
         for _, proc in self.procs:
             if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(signal.SIGINT)  # at once: SIGTERM would drain a node
         deadline = time.monotonic() + STOP_GRACE_S
         for _, proc in self.procs:
             try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import signal
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from common.messages import (
 )
 from common.node_channel import HOST_ID, NodeChannel, runtime_info
 from common.node_config import NodeConfig
+from common.node_lifecycle import Lifecycle
 from common.sampling_params import SamplingParams
 from common.scheduler import ScheduledBatch, Scheduler
 from common.sequence import Sequence
@@ -74,26 +74,25 @@ class PrefillNode:
         self._stream_min_tokens = (
             node_config.ipc_stream_min_tokens if node_config.transport == "cuda_ipc" else 0
         )
-        self._stopping = False
+        self.lifecycle = Lifecycle(node_config.drain_timeout_s)
         self._last_expiry = 0.0
         # Counters since start, reported in the heartbeat load (the router's /metrics).
         self.stats: Counter[str] = Counter()
 
     # -- loop -------------------------------------------------------------------------------
     def run(self) -> None:
-        signal.signal(signal.SIGTERM, lambda *_: self.stop())
-        signal.signal(signal.SIGINT, lambda *_: self.stop())
+        self.lifecycle.install_signal_handlers()
         log.info("prefill node %s ready", self.channel.node_id)
         self.channel.start_heartbeat(self.info)
         try:
-            while not self._stopping:
+            while not self.lifecycle.should_exit(idle=not self.jobs):
                 self.step()
         finally:
             self.sender.close()
             self.channel.close()
 
     def stop(self) -> None:
-        self._stopping = True
+        self.lifecycle.stop()
 
     def step(self) -> None:
         # Idle, the inbox wait is short while transfers are in flight: a sender moves them on
@@ -328,5 +327,6 @@ class PrefillNode:
             "queued_tokens": queued,
             "transferring": sum(1 for j in self.jobs.values() if j.transferring),
             "invalid_messages": self.channel.invalid_messages,
+            "draining": self.lifecycle.draining,
             **self.stats,
         }
