@@ -45,6 +45,13 @@ class NodeConfig:
     fail_transfer_rate: float = field(
         default=0.0, metadata={"help": "tests only: fraction of transfers failed on purpose"}
     )
+    kv_growth_headroom: float = field(
+        default=0.1,
+        metadata={
+            "help": "decode node: fraction of the KV pool that new reservations leave free for "
+            "running sequences to grow (out of blocks, it preempts and recomputes)"
+        },
+    )
     drain_timeout_s: float = field(
         default=60.0,
         metadata={
@@ -56,6 +63,10 @@ class NodeConfig:
         default=False, metadata={"help": "decode node: prefill locally too (no prefill node)"}
     )
 
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.kv_growth_headroom < 1.0:
+            raise ValueError(f"kv_growth_headroom must be in [0, 1), got {self.kv_growth_headroom}")
+
 
 def parse_node_args(
     description: str, argv: list[str] | None = None
@@ -64,8 +75,8 @@ def parse_node_args(
     add_dataclass_args(parser, NodeConfig)
     add_dataclass_args(parser, EngineConfig)
     args = parser.parse_args(argv)
-    node = NodeConfig(**{f: getattr(args, f) for f in NodeConfig.__dataclass_fields__})
     try:
+        node = NodeConfig(**{f: getattr(args, f) for f in NodeConfig.__dataclass_fields__})
         require_secret_for([node.control_address, node.kv_address])
     except ValueError as exc:
         parser.error(str(exc))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -91,6 +92,8 @@ class DecodeNode:
         self._last_expiry = 0.0
         # Counters since start, reported in the heartbeat load (the router's /metrics).
         self.stats: Counter[str] = Counter()
+        num_blocks = self.worker.allocator.num_blocks
+        self._headroom_blocks = math.ceil(node_config.kv_growth_headroom * num_blocks)
         pool = self.worker.kv_cache.pool
         self._block_bytes = pool[:, :, 0].numel() * pool.element_size()  # all layers, K and V
 
@@ -175,7 +178,10 @@ class DecodeNode:
         return seq
 
     def _reserve_blocks(self) -> None:
-        while (pending := self.reservations.reserve_next()) is not None:
+        while (keep_free := self._growth_headroom()) is not None:
+            pending = self.reservations.reserve_next(keep_free)
+            if pending is None:
+                return
             rid = pending.request.request_id
             self.receiver.expect(rid, pending.block_ids)
             self.timings[rid].reserved_at = pending.reserved_at
@@ -183,6 +189,22 @@ class DecodeNode:
                 pending.request.prefill_node,
                 Reservation(rid, self.channel.node_id, pending.block_ids),
             )
+
+    def _growth_headroom(self) -> int | None:
+        """Blocks a new reservation must leave available, or None: reserve nothing now.
+
+        Out of KV memory the decode node preempts and recomputes (Scheduler._grow: the latest
+        running sequence frees its blocks and is prefilled again here, usually from the prefix
+        cache), and it never deadlocks: reservations hold blocks only until their KV lands or
+        their transfer deadline passes, preempted sequences wait for nothing but blocks, and
+        new reservations wait while any preempted sequence does. The headroom keeps that rare:
+        running sequences keep room to grow, except on an empty node, which takes any prompt
+        that fits (the router never sends one that does not)."""
+        if self.scheduler.waiting:
+            return None
+        if not self.scheduler.running and not self.reservations.reserved:
+            return 0
+        return self._headroom_blocks
 
     def _transfer_ended(self, transfer: Transfer) -> None:
         rid = transfer.request_id
@@ -344,6 +366,8 @@ class DecodeNode:
             "queued_tokens": sum(s.num_pending_tokens for s in self.scheduler.waiting),
             "invalid_messages": self.channel.invalid_messages,
             "preemptions": self.scheduler.num_preemptions,
+            "kv_late_frames": self.receiver.late_frames if self.receiver else 0,
+            "kv_malformed_frames": self.receiver.malformed_frames if self.receiver else 0,
             "draining": self.lifecycle.draining,
             **self.stats,
         }

@@ -31,12 +31,15 @@ class ReservationQueue:
     def add(self, request: DecodeRequest) -> None:
         self.waiting[request.request_id] = PendingDecode(request)
 
-    def reserve_next(self) -> PendingDecode | None:
-        """Reserve blocks for the oldest waiting request if the pool can hold its prompt."""
+    def reserve_next(self, keep_free: int = 0) -> PendingDecode | None:
+        """Reserve blocks for the oldest waiting request if the pool can hold its prompt and
+        still have `keep_free` blocks available (growth room for running sequences)."""
         if not self.waiting:
             return None
         request_id, pending = next(iter(self.waiting.items()))
         needed = -(-len(pending.request.prompt_token_ids) // self.allocator.block_size)
+        if self.allocator.num_available - needed < keep_free:
+            return None
         blocks = self.allocator.allocate(needed)
         if blocks is None:
             return None

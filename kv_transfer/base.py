@@ -198,6 +198,17 @@ class KVReceiver(ABC):
     def close(self) -> None:
         """Unbind. Idempotent."""
 
+    @property
+    def late_frames(self) -> int:
+        """Frames dropped because no transfer expected them (every receiver keeps its
+        `ReceiverLedger` as `_ledger`)."""
+        return self._ledger.late_frames  # type: ignore[attr-defined]
+
+    @property
+    def malformed_frames(self) -> int:
+        """Frames dropped because they could not be decoded and named no request."""
+        return self._ledger.malformed_frames  # type: ignore[attr-defined]
+
     def __enter__(self) -> KVReceiver:
         return self
 

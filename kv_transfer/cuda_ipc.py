@@ -201,6 +201,7 @@ class CudaIpcReceiver(KVReceiver):
             if exc.request_id is not None:
                 self._fail(exc.request_id, f"malformed frame: {exc}")
             else:
+                self._ledger.malformed_frames += 1
                 log.debug("dropped malformed KV message: %s", exc)
             return
         parts = 2 if isinstance(message, LayerHeader) else 1

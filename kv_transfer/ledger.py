@@ -185,6 +185,10 @@ class ReceiverLedger:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.table: TransferTable[Incoming] = TransferTable()
+        # Frames for no expected transfer (cancelled, failed, finished, never expected): dropped
+        # before they touch the pool, so a late frame never writes into a freed block.
+        self.late_frames = 0
+        self.malformed_frames = 0  # frames that name no request and cannot be decoded
 
     def expect(self, request_id: str, block_ids: list[int]) -> Transfer:
         if not block_ids:
@@ -260,5 +264,6 @@ class ReceiverLedger:
     def _known(self, request_id: str, kind: str) -> Incoming | None:
         entry = self.table.get(request_id)
         if entry is None:
+            self.late_frames += 1
             log.debug("dropped %s frame for unexpected request %r", kind, request_id)
         return entry

@@ -106,6 +106,8 @@ class LoopbackReceiver(KVReceiver):
             except FrameError as exc:
                 if exc.request_id is not None:
                     self._ledger.fail(exc.request_id, f"malformed frame: {exc}")
+                else:
+                    self._ledger.malformed_frames += 1
                 continue
             if isinstance(header, CompleteHeader):
                 self._ledger.complete(header.request_id, header.metadata)

@@ -247,6 +247,7 @@ class ZmqReceiver(KVReceiver):
             if exc.request_id is not None:
                 self._ledger.fail(exc.request_id, f"malformed frame: {exc}")
             else:
+                self._ledger.malformed_frames += 1
                 log.debug("dropped malformed KV frame: %s", exc)
             return
         parts = 2 if isinstance(header, LayerHeader) else 1

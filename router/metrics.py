@@ -50,6 +50,7 @@ NODE_COUNTERS = {
     "kv_transfer_seconds": ("pdserve:kv_transfer_seconds", "Seconds KV transfers took."),
     "kv_transfer_failures": ("pdserve:kv_transfer_failures", "KV transfers that failed."),
     "kv_late_frames": ("pdserve:kv_late_frames", "KV frames dropped: no live reservation."),
+    "kv_malformed_frames": ("pdserve:kv_malformed_frames", "KV frames dropped as malformed."),
     "preemptions": ("pdserve:num_preemptions", "Sequences preempted for KV memory."),
     "invalid_messages": ("pdserve:invalid_messages", "Control frames rejected as invalid."),
     "expired_requests": ("pdserve:expired_requests", "Requests dropped at their deadline."),

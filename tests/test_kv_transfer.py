@@ -199,6 +199,52 @@ def test_cancelled_transfer_drops_late_frames_and_keeps_working(make_pair):
     assert set(done) == {"next"} and done["next"].state is TransferState.DONE
     assert torch.equal(blocks(dst, [3, 4]), blocks(before, [3, 4]))
     assert torch.equal(blocks(dst, [8]), blocks(src, [5]))
+    assert receiver.late_frames == NUM_LAYERS + 1  # every layer and the completion notice
+
+
+def test_late_frames_to_a_freed_reservation_never_touch_its_blocks_new_owner(make_pair):
+    """The decode node freed r1's blocks (its transfer failed at the deadline) and reserved
+    the same blocks for r2; r1's sender, slow but alive, still ships. Its frames are dropped
+    and counted, and r2's KV is exactly what r2's sender wrote."""
+    sender, receiver, src, dst = make_pair(deadline_s=0.3)
+    receiver.expect("r1", [3, 4])
+    (expired,) = poll_until_terminal(receiver, {"r1"}).values()
+    assert expired.state is TransferState.FAILED and expired.error == "deadline exceeded"
+    receiver.expect("r2", [3, 4])  # the freed blocks, handed to the next request
+    sender.begin("r2", receiver.address, [6, 7], [3, 4])
+    sender.begin("r1", receiver.address, [0, 1], [3, 4])
+    for layer in range(NUM_LAYERS):  # interleaved on one connection: r1's frames come late
+        sender.send_layer("r1", layer)
+        sender.send_layer("r2", layer)
+    sender.complete("r1", {})
+    sender.complete("r2", {})
+    done = poll_until_terminal(receiver, {"r2"})
+    assert done["r2"].state is TransferState.DONE
+    assert torch.equal(blocks(dst, [3, 4]), blocks(src, [6, 7]))
+    assert receiver.late_frames == NUM_LAYERS + 1
+
+
+def test_a_sender_that_vanishes_mid_transfer_is_reclaimed_by_the_receiver_deadline(make_pair):
+    sender, receiver, _, _ = make_pair(deadline_s=0.3)
+    receiver.expect("r", [1, 2])
+    sender.begin("r", receiver.address, [0, 1], [1, 2])
+    sender.send_layer("r", 0)
+    sender.close()  # the prefill process is gone: no more frames, no abort
+    (t,) = poll_until_terminal(receiver, {"r"}).values()
+    assert t.state is TransferState.FAILED and t.error == "deadline exceeded"
+
+
+def test_a_receiver_that_vanishes_leaves_the_sender_nothing_to_hold(make_pair):
+    sender, receiver, _, _ = make_pair(deadline_s=0.3)
+    receiver.expect("r", [1, 2])
+    sender.begin("r", receiver.address, [0, 1], [1, 2])
+    receiver.close()  # the decode process is gone
+    send_all(sender, "r")
+    # Terminal by its deadline at the latest (zmq: DONE once handed over, nothing to ack),
+    # after which the caller frees the source blocks and the sender forgets the request.
+    (t,) = poll_sender_until_terminal(sender, {"r"}).values()
+    assert t.is_terminal
+    assert sender.poll() == []
 
 
 def test_receiver_fails_a_transfer_that_never_arrives_after_its_deadline(make_pair):

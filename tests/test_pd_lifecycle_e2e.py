@@ -1,7 +1,9 @@
-"""Nodes that join, leave and come back while the stack serves (real processes, the embedded
-model): a prefill node started by hand registers and takes traffic, SIGTERM drains a node
-(its in-flight request finishes), and a node killed under load is restarted by the launcher
-(--restart-nodes) and rejoins. One stack for the module, prefill pool in round robin."""
+"""Nodes that join, leave and come back while the stack serves, and a decode pool too small
+for its load (real processes, the embedded model): a prefill node started by hand registers
+and takes traffic, SIGTERM drains a node (its in-flight request finishes), a node killed under
+load is restarted by the launcher (--restart-nodes) and rejoins, and a decode node out of KV
+blocks preempts and recomputes without changing any answer. One stack for the module: prefill
+pool in round robin, a decode pool of 12 blocks (192 tokens)."""
 
 from __future__ import annotations
 
@@ -15,10 +17,12 @@ import sys
 import httpx
 import pytest
 
+from common import SamplingParams
 from tests.pd_stack import ROOT, PDStack
 from tests.router_fakes import metric
 
 MODEL = "SmolLM2-135M-Instruct"
+DECODE_BLOCKS = 12
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +31,8 @@ def stack(tmp_path_factory):
         "--restart-nodes",
         "--router-prefill-policy", "round_robin",
         "--router-heartbeat-timeout", "2",
-        log_path=tmp_path_factory.mktemp("rejoin") / "launch.log",
+        "--decode-num-kv-blocks", str(DECODE_BLOCKS),
+        log_path=tmp_path_factory.mktemp("lifecycle") / "launch.log",
     )  # fmt: skip
     yield s
     assert s.stop() == [], "processes left after Ctrl-C"
@@ -45,6 +50,36 @@ def node_entry(stack: PDStack, node_id: str) -> dict | None:
 def dispatched_to(stack: PDStack, node_id: str) -> float:
     text = httpx.get(stack.url + "/metrics", timeout=10).text
     return metric(text, "pdserve:node_requests_total", node=node_id) or 0.0
+
+
+def test_a_decode_pool_that_runs_out_preempts_and_recomputes_with_unchanged_answers(
+    stack, smollm_llm
+):
+    # Four prompts of ~14 tokens growing by 40 need 16 blocks together: more than the 12 the
+    # decode node has, though each fits alone. Out of blocks, the latest running sequence
+    # gives its blocks back and is prefilled again later on the decode node.
+    texts = [
+        f"Write a list of {n} animals that live in the sea, one per line:" for n in (3, 5, 7, 9)
+    ]
+    prompts = [smollm_llm.tokenizer.encode(t) for t in texts]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = [out.text for out in smollm_llm.generate(prompts, params)]
+
+    def ask(prompt: list[int]) -> dict:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 40, "ignore_eos": True,
+                "temperature": 0}  # fmt: skip
+        r = httpx.post(stack.url + "/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, prompts))
+    assert [a["choices"][0]["text"] for a in answers] == expected
+    assert stack.node("decode")["load"]["preemptions"] > 0
+    stack.wait_for(
+        lambda: (d := stack.node("decode")["load"])["used_blocks"] == 0 and d["reserved"] == 0,
+        "the decode node to hold no blocks",
+    )
 
 
 def test_a_prefill_node_started_by_hand_registers_serves_and_drains_on_sigterm(
