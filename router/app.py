@@ -28,6 +28,7 @@ from router.core import RouterCore
 from router.errors import OpenAIError, error_body, from_validation_errors
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.node_link import NodeLink, ZmqNodeLink
+from router.openapi import document_request_bodies
 from router.serving import GenerationHandler
 from router.stats import log_stats_forever
 from router.tokens import add_token_routes
@@ -80,6 +81,7 @@ def create_app(
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.core = core
     gateway.install(app, config)
+    document_request_bodies(app)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:

@@ -9,15 +9,19 @@ import concurrent.futures
 import os
 
 import httpx
+import msgpack
 import openai
 import pytest
+import zmq
 
+from common.wire_auth import FrameSigner
 from tests.pd_stack import PDStack
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "sk-gateway-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 DEADLINE_S = 15
+SECRET = "gateway-test-secret"
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +32,7 @@ def stack(tmp_path_factory):
         "--router-request-timeout-s", str(DEADLINE_S),
         "--router-api-key", KEY,
         log_path=tmp_path_factory.mktemp("gateway") / "launch.log",
-        env={**os.environ, "PDSERVE_CLUSTER_SECRET": "gateway-test-secret"},
+        env={**os.environ, "PDSERVE_CLUSTER_SECRET": SECRET},
     )  # fmt: skip
     yield s
     assert s.stop() == [], "processes left after Ctrl-C"
@@ -97,3 +101,73 @@ def test_the_openai_client_needs_the_right_api_key(stack):
     missing = httpx.post(stack.url + "/v1/completions", json={"prompt": "Hi"}, timeout=30)
     assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
     assert stack.get("/health")[0] == 200  # open without a key
+
+
+def pack(obj: object) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+# Frames no node may act on: garbage, msgpack of the wrong shape, unknown or mistyped
+# messages, a string that claims 4 GiB, arrays nested 100,000 deep.
+HOSTILE_CONTROL = [
+    b"",
+    b"\xff" * 64,
+    pack([1, 2, 3]),
+    pack({"type": "NoSuchMessage"}),
+    pack({"type": "PrefillRequest"}),
+    pack({"type": "Abort", "request_id": 5}),
+    pack({"type": "DecodeRequest", "request_id": "x", "prompt_token_ids": "a", "sampling": {},
+          "prefill_node": None}),
+    b"\xdb\xff\xff\xff\xff",
+    b"\x91" * 100_000 + b"\xc0",
+]  # fmt: skip
+HOSTILE_KV = [
+    [b"\x00\x01"],
+    [pack({"kind": "layer", "request_id": 7})],
+    [pack({"kind": "layer", "request_id": "nobody", "layer": 0, "block_ids": [0],
+           "dtype": "torch.float32", "shape": [1]}), b"\x00" * 64],
+    [pack({"kind": "complete", "request_id": "nobody", "metadata": {}})],
+    [b"\x91" * 100_000 + b"\xc0"],
+]  # fmt: skip
+
+
+def test_hostile_frames_to_node_sockets_are_rejected_counted_and_harmless(stack):
+    signer = FrameSigner(SECRET.encode())
+    prefill, decode = stack.node("prefill"), stack.node("decode")
+    before = {n["id"]: n["load"] for n in (prefill, decode)}
+    ctx = zmq.Context()
+    try:
+        for address in (prefill["id"], decode["id"]):  # control inboxes
+            sock = ctx.socket(zmq.PUSH)
+            sock.connect(address)
+            for frame in HOSTILE_CONTROL:  # unsigned, then signed with the cluster secret
+                sock.send(frame)
+                sock.send(signer.sign(frame))
+            sock.close(linger=5000)
+        kv = ctx.socket(zmq.PUSH)
+        kv.connect(f"tcp://127.0.0.1:{stack.base + 201}")  # decode node 0's KV receiver
+        for frames in HOSTILE_KV:
+            kv.send_multipart(frames)
+            kv.send_multipart([signer.sign(frames[0]), *frames[1:]])
+        kv.close(linger=5000)
+    finally:
+        ctx.term()
+    sent = 2 * len(HOSTILE_CONTROL)
+
+    def counted() -> bool:
+        d = stack.node("decode")["load"]
+        p = stack.node("prefill")["load"]
+        kv_dropped = d["kv_late_frames"] + d["kv_malformed_frames"]
+        kv_before = (
+            before[decode["id"]]["kv_late_frames"] + before[decode["id"]]["kv_malformed_frames"]
+        )
+        return (
+            p["invalid_messages"] == before[prefill["id"]]["invalid_messages"] + sent
+            and d["invalid_messages"] == before[decode["id"]]["invalid_messages"] + sent
+            and kv_dropped == kv_before + 2 * len(HOSTILE_KV)
+        )
+
+    stack.wait_for(counted, "every hostile frame to be counted as rejected")
+    assert stack.node("prefill")["pid"] == prefill["pid"]  # nobody crashed or restarted
+    assert stack.node("decode")["pid"] == decode["pid"]
+    assert post(stack, {"prompt": "Hello", "max_tokens": 2}).status_code == 200
