@@ -21,6 +21,7 @@ import concurrent.futures
 import json
 import os
 import random
+import re
 import signal
 import sys
 import threading
@@ -48,6 +49,7 @@ class SoakConfig:
     request_timeout_s: float = 20.0  # the router's deadline
     transfer_deadline_s: float = 10.0
     settle_timeout_s: float = 300.0  # for the nodes to come back and release their blocks
+    spare_last: bool = True  # never kill the last healthy node of a pool (keeps a path up)
     seed: int = 0
     extra_args: tuple[str, ...] = ()  # more launch_pd.sh flags (e.g. GPUs, a model)
 
@@ -67,7 +69,7 @@ class SoakReport:
     minutes: float = 0.0
     requests: int = 0
     kills: list[str] = field(default_factory=list)  # "role pid"
-    outcomes: Counter[str] = field(default_factory=Counter)  # "200", "503", "error:stream"...
+    outcomes: Counter[str] = field(default_factory=Counter)  # "200", or status and message
     violations: list[str] = field(default_factory=list)
     leaks: list[str] = field(default_factory=list)
     orphans: list[int] = field(default_factory=list)
@@ -82,7 +84,7 @@ class SoakReport:
         return "\n".join([
             f"minutes run     {self.minutes:.2f}",
             f"requests        {self.requests} ({self.outcomes['200']} full, {errors} errors)",
-            f"outcomes        {dict(sorted(self.outcomes.items()))}",
+            *[f"  {n:5d} x {kind}" for kind, n in self.outcomes.most_common()],
             f"kills           {len(self.kills)}",
             f"violations      {len(self.violations)}",
             f"leaks           {len(self.leaks)}",
@@ -123,7 +125,7 @@ def _whole(r: httpx.Response, max_tokens: int) -> tuple[str, str]:
         tokens = body["usage"]["completion_tokens"]
         return "200", "" if tokens == max_tokens else f"200 with {tokens} of {max_tokens} tokens"
     if "error" in body and body["error"].get("message"):
-        return str(r.status_code), ""
+        return f"{r.status_code} {_gist(body['error']['message'])}", ""
     return str(r.status_code), f"{r.status_code} without an OpenAI error body: {body}"
 
 
@@ -142,11 +144,17 @@ def _streamed(http: httpx.Client, url: str, body: dict, max_tokens: int) -> tupl
                 return "200", f"stream done with finish={finished}, {tokens} of {max_tokens} tokens"
             event = json.loads(line[6:])
             if "error" in event:
-                return "stream", "" if event["error"].get("message") else f"bad error {event}"
+                message = event["error"].get("message")
+                return f"stream {_gist(message or '')}", "" if message else f"bad error {event}"
             finished |= any(c.get("finish_reason") for c in event.get("choices") or [])
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
     return "broken", "stream closed without [DONE] or an error event"
+
+
+def _gist(message: str) -> str:
+    """An error message with addresses and numbers blanked, to count errors by kind."""
+    return re.sub(r"tcp://\S+|\d+(\.\d+)?", "#", message)[:60]
 
 
 def start_time(pid: int) -> int | None:
@@ -157,12 +165,15 @@ def start_time(pid: int) -> int | None:
         return None
 
 
-def node_pids(stack: PDStack) -> list[tuple[str, int]]:
+def victims(stack: PDStack, ours: set[int], spare_last: bool) -> list[tuple[str, int]]:
+    """(role, pid) of the healthy nodes this stack started that may be killed now."""
     try:
         nodes = stack.get("/health")[1]["nodes"]
     except (OSError, ValueError, KeyError):
         return []
-    return [(n["role"], n["pid"]) for n in nodes if isinstance(n.get("pid"), int)]
+    healthy = [n for n in nodes if n["healthy"] and n.get("pid") in ours]
+    roles = Counter(n["role"] for n in healthy)
+    return [(n["role"], n["pid"]) for n in healthy if not spare_last or roles[n["role"]] > 1]
 
 
 def remember(stack: PDStack, seen: dict[int, int | None]) -> set[int]:
@@ -177,8 +188,7 @@ def killer(stack: PDStack, config: SoakConfig, stop: threading.Event, report: So
            seen: dict[int, int | None]) -> None:  # fmt: skip
     rng = random.Random(config.seed + 1)
     while not stop.wait(rng.uniform(*config.kill_every_s)):
-        ours = remember(stack, seen)
-        candidates = [(role, pid) for role, pid in node_pids(stack) if pid in ours]
+        candidates = victims(stack, remember(stack, seen), config.spare_last)
         if not candidates:
             continue
         role, pid = rng.choice(candidates)
@@ -246,9 +256,22 @@ def run_soak(config: SoakConfig, log_path: Path) -> SoakReport:
         remember(stack, seen)
     finally:
         left = stack.stop()
-    still = {p for p, t in seen.items() if alive(p) and t is not None and start_time(p) == t}
-    report.orphans = sorted(set(left) | still)
+    report.orphans = survivors(seen, set(left))
     return report
+
+
+def survivors(seen: dict[int, int | None], left: set[int], grace_s: float = 15.0) -> list[int]:
+    """Processes of the stack still alive `grace_s` after the launcher stopped (a process that
+    was SIGKILLed a moment ago may still be tearing down its memory)."""
+
+    def still() -> set[int]:
+        ours = {p for p, t in seen.items() if t is not None and start_time(p) == t}
+        return {p for p in ours | left if alive(p)}
+
+    end = time.monotonic() + grace_s
+    while still() and time.monotonic() < end:
+        time.sleep(0.2)
+    return sorted(still())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--request-timeout-s", type=float, default=20.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kill-last", action="store_true", help="may kill a pool's last healthy node")
     p.add_argument("--log", type=Path, default=Path("chaos_soak.log"))
     p.add_argument("launch_args", nargs="*", help="more launch_pd.sh flags, after --")
     args = p.parse_args(argv)
@@ -266,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     config = SoakConfig(
         duration_s=args.minutes * 60, rate=args.rate, kill_every_s=(lo, hi),
         max_tokens=args.max_tokens, request_timeout_s=args.request_timeout_s, seed=args.seed,
-        extra_args=tuple(args.launch_args),
+        extra_args=tuple(args.launch_args), spare_last=not args.kill_last,
     )  # fmt: skip
     report = run_soak(config, args.log)
     print(report.summary())
