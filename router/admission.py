@@ -19,7 +19,7 @@ class Overloaded(OpenAIError):
     def __init__(self, pool: str, waiting: int, retry_after_s: int) -> None:
         super().__init__(
             429,
-            f"the {pool} pool has {waiting} requests waiting, its bound: retry later",
+            f"the {pool} pool already has {waiting} requests waiting (its bound): retry later",
             code="too_many_requests",
         )
         self.headers = {"Retry-After": str(retry_after_s)}

@@ -82,8 +82,9 @@ class RouterCore:
     def on_message(self, message: Any) -> None:
         """Handle one validated message from the events socket."""
         if isinstance(message, Heartbeat):
-            if message.node_id not in self.registry.nodes and self.link is not None:
-                self.link.connect(message.node_id)  # a node that registers itself
+            new = message.node_id not in self.registry.nodes
+            if new and self.link is not None and not self.link.connect(message.node_id):
+                return  # not an address a socket can reach: no node the router can use
             if self.registry.observe(message, self.clock()):
                 self._lose(message.node_id, "restarted or was silent past the heartbeat timeout")
             node = self.registry.nodes.get(message.node_id)

@@ -37,7 +37,7 @@ async def _send_error(send: Send, status: int, message: str, code: str | None, *
 class ApiKeyMiddleware:
     def __init__(self, app: ASGIApp, api_key: str, protect_all: bool) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
         self.protect_all = protect_all
 
     def _protected(self, scope: Scope) -> bool:
@@ -48,7 +48,8 @@ class ApiKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self._protected(scope):
             given = dict(scope.get("headers") or ()).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, key = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.expected):
                 what = "Missing" if not given else "Incorrect"
                 await _send_error(
                     send, 401, f"{what} API key: send 'Authorization: Bearer <key>'.",

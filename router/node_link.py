@@ -30,8 +30,9 @@ class NodeLink(Protocol):
 
     def send(self, node_id: str, message: Any) -> None: ...
 
-    def connect(self, node_id: str) -> None:
-        """A node registered itself: open a line to its control address."""
+    def connect(self, node_id: str) -> bool:
+        """A node registered itself: open a line to its control address (False: impossible)."""
+        return True
 
     def disconnect(self, node_id: str) -> None:
         """The node was forgotten: close its line (queued messages are dropped)."""
@@ -48,9 +49,9 @@ class ZmqNodeLink:
         for node_id in node_ids:
             self.connect(node_id)
 
-    def connect(self, node_id: str) -> None:
+    def connect(self, node_id: str) -> bool:
         if node_id in self._controls:
-            return
+            return True
         sock = zmq.Socket(self._ctx, zmq.PUSH)  # synchronous socket on the same context
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
@@ -59,8 +60,9 @@ class ZmqNodeLink:
         except zmq.ZMQError as exc:
             sock.close(linger=0)
             log.warning("cannot connect to node %r: %s", node_id, exc)
-            return
+            return False
         self._controls[node_id] = sock
+        return True
 
     def disconnect(self, node_id: str) -> None:
         sock = self._controls.pop(node_id, None)

@@ -76,8 +76,9 @@ class LoopbackNodes:
         for event in self.script(node_id, message):
             loop.call_soon(self.deliver, event)
 
-    def connect(self, node_id: str) -> None:
+    def connect(self, node_id: str) -> bool:
         self.connected.append(node_id)
+        return "://" in node_id  # what zmq would refuse: an address without a transport
 
     def disconnect(self, node_id: str) -> None:
         self.disconnected.append(node_id)

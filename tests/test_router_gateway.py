@@ -60,7 +60,7 @@ def call(app, method: str, path: str, **kwargs) -> httpx.Response:
 BODY = {"prompt": [1, 2, 3], "max_tokens": 2}
 
 
-@pytest.mark.parametrize("header", [None, "Bearer wrong", f"Basic {KEY}", KEY])
+@pytest.mark.parametrize("header", [None, "Bearer wrong", f"Basic {KEY}", KEY, f"Bearer {KEY}x"])
 def test_v1_without_the_right_bearer_key_is_401_in_the_openai_shape(make, header):
     app = make(api_key=KEY)
     headers = {} if header is None else {"Authorization": header}
@@ -74,8 +74,8 @@ def test_v1_without_the_right_bearer_key_is_401_in_the_openai_shape(make, header
 
 def test_the_right_key_passes_and_health_and_metrics_stay_open(make):
     app = make(api_key=KEY)
-    auth = {"Authorization": f"Bearer {KEY}"}
-    assert call(app, "POST", "/v1/completions", json=BODY, headers=auth).status_code == 200
+    for auth in ({"Authorization": f"Bearer {KEY}"}, {"Authorization": f"bearer {KEY}"}):
+        assert call(app, "POST", "/v1/completions", json=BODY, headers=auth).status_code == 200
     assert call(app, "GET", "/health").status_code == 200
     assert call(app, "GET", "/metrics").status_code == 200
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from router.config import RouterConfig
+from router.core import RouterCore
+from router.metrics import RouterMetrics
 from router.registry import NodeRegistry
-from tests.router_fakes import heartbeat
+from tests.router_fakes import LoopbackNodes, ManualClock, heartbeat
 
 P, D = "tcp://127.0.0.1:5601", "tcp://127.0.0.1:5701"
 
@@ -150,3 +153,29 @@ def test_report_carries_role_age_info_and_load():
         "draining": False,
         "load": {"free_blocks": 42, "running": 3, "waiting": 0, "queued_tokens": 0},
     }
+
+
+def test_the_core_connects_to_a_node_that_registers_and_routes_to_it():
+    link = LoopbackNodes()
+    core = RouterCore(RouterConfig(), RouterMetrics(), link=link, clock=lambda: 10.0)
+    for node, role in [("tcp://10.0.0.1:5601", "prefill"), ("tcp://10.0.0.2:5701", "decode")]:
+        core.on_message(heartbeat(node, role))
+    core.on_message(heartbeat("not-an-address", "prefill"))
+    assert link.connected == ["tcp://10.0.0.1:5601", "tcp://10.0.0.2:5701", "not-an-address"]
+    assert "not-an-address" not in core.registry.nodes  # no socket could reach it
+    route = core.route([1, 2, 3])
+    assert (route.prefill, route.decode) == ("tcp://10.0.0.1:5601", "tcp://10.0.0.2:5701")
+
+
+def test_the_core_closes_the_line_to_a_forgotten_node():
+    link = LoopbackNodes()
+    clock = ManualClock(10.0)
+    config = RouterConfig(forget_node_after_s=5.0)
+    core = RouterCore(config, RouterMetrics(), link=link, clock=clock)
+    core.on_message(heartbeat("tcp://10.0.0.1:5601", "prefill"))
+    clock.now += 4.0
+    assert core.sweep() == ["tcp://10.0.0.1:5601"]
+    clock.now += 2.0
+    core.sweep()
+    assert link.disconnected == ["tcp://10.0.0.1:5601"]
+    assert core.registry.nodes == {}
