@@ -1,14 +1,16 @@
-"""Prefill routing policies side by side on the shared-prefix workload: prefix-cache hit rate
+r"""Prefill routing policies side by side on the shared-prefix workload: prefix-cache hit rate
 and TTFT, one stack per policy, the same open-loop load (benchmarks/loadgen) for each.
 
     python benchmarks/routing_compare.py --policies round_robin cache_aware \
         --num-prefill 2 --num-decode 2 --num-prompts 300 --request-rate 6 \
-        --launch-arg=--model --launch-arg=/models/m --launch-arg=--prefill-gpus --launch-arg=0,1 \
-        --launch-arg=--decode-gpus --launch-arg=2,3
+        --model benchmarks/configs/qwen2.5-7b-instruct --load-format dummy \
+        --launch-arg "--prefill-gpus 0,1 --decode-gpus 2,3 --transport cuda_ipc"
     python benchmarks/routing_compare.py --cpu-small    # the embedded model on a CPU, minutes
 
 Each policy gets a fresh stack (`scripts/launch_pd.sh ... --router-prefill-policy P`), so every
-prefix cache starts empty. The hit rate is the prefill nodes' `pdserve:prefix_cache_hits_total`
+prefix cache starts empty. Policies differ when the prefixes fit the prefill pool's caches
+together but not one node's (limit them with `--prefill-num-kv-blocks`): round robin makes
+every node cache every prefix, cache_aware keeps each prefix on one node. The hit rate is the prefill nodes' `pdserve:prefix_cache_hits_total`
 over `pdserve:prefix_cache_queries_total` (prompt tokens), counted across the measured run only.
 The table at the end compares the policies; `--out` keeps everything as JSON.
 """
@@ -32,9 +34,11 @@ from benchmarks.loadgen.runner import RunConfig  # noqa: E402
 from benchmarks.loadgen.workloads import WorkloadConfig, build_workload  # noqa: E402
 from benchmarks.stack import PDStack, same_python_env  # noqa: E402
 
-CPU_SMALL = {  # the embedded model on 2 CPU cores: small prompts, few of them, a slow rate
-    "num_prompts": 24, "request_rate": 1.0, "num_groups": 3, "prefix_len": 192,
-    "input_len": "16:48", "output_len": "4",
+# The embedded model on 2 CPU cores: small prompts, few of them, a slow rate. Each prefill node
+# caches 48 blocks: the 6 prefixes (12 blocks each) fit the pool split in two, not one node.
+CPU_SMALL = {
+    "num_prompts": 30, "request_rate": 1.0, "num_groups": 6, "prefix_len": 192,
+    "input_len": "16:48", "output_len": "4", "launch_arg": ["--prefill-num-kv-blocks 48"],
 }  # fmt: skip
 
 
@@ -88,11 +92,22 @@ def scrape(stack: PDStack) -> dict[str, dict[str, float]]:
 def run_policy(policy: str, args: argparse.Namespace, env: dict[str, str]) -> PolicyResult:
     launch = [
         "--num-prefill", str(args.num_prefill), "--num-decode", str(args.num_decode),
-        "--router-prefill-policy", policy, *args.launch_arg,
+        "--router-prefill-policy", policy, "--health-timeout", str(args.health_timeout),
     ]  # fmt: skip
+    if args.model:
+        launch += ["--model", args.model]
+    if args.load_format != "auto":
+        launch += [
+            "--prefill-load-format",
+            args.load_format,
+            "--decode-load-format",
+            args.load_format,
+        ]
+    for extra in args.launch_arg:
+        launch += extra.split()
     print(f"== {policy}: launch_pd.sh {' '.join(launch)}", flush=True)
     log = args.out / f"stack_{policy}.log"
-    stack = PDStack(*launch, log_path=log, start_timeout_s=args.health_timeout, env=env)
+    stack = PDStack(*launch, log_path=log, start_timeout_s=args.health_timeout + 60, env=env)
     try:
         target = Target(stack.url, served_model(stack.url, None))
         workload = WorkloadConfig(
@@ -149,8 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--input-len", default="64:256", help="tokens after the prefix (N or A:B)")
     add("--output-len", default="32")
     add("--seed", type=int, default=0)
-    add("--health-timeout", type=float, default=900.0)
-    add("--launch-arg", action="append", default=[], help="more launch_pd.sh flags (repeatable)")
+    add("--model", default=None, help="HF directory or .gguf (default: the embedded model)")
+    add("--load-format", default="auto", help="auto or dummy (random weights)")
+    add("--health-timeout", type=int, default=900)
+    add("--launch-arg", action="append", default=[],
+        help="more launch_pd.sh flags, split on spaces (repeatable)")  # fmt: skip
     add("--cpu-small", action="store_true", help="small sizes for the embedded model on a CPU")
     add("--out", type=Path, default=Path("benchmarks/results/routing_compare"))
     return p
@@ -160,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cpu_small:
         for key, value in CPU_SMALL.items():
-            setattr(args, key, value)
+            setattr(args, key, value if key != "launch_arg" else [*value, *args.launch_arg])
     if not (args.request_rate > 0 or math.isinf(args.request_rate)):
         print("routing_compare.py: --request-rate must be > 0", file=sys.stderr)
         return 2
