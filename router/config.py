@@ -101,7 +101,8 @@ class RouterConfig:
     api_key: str | None = field(
         default=None,
         metadata={
-            "help": "require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY; "
+            "help": "require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
+            "(default: $PDSERVE_API_KEY; "
             "none = open)"
         },
     )

@@ -1,8 +1,9 @@
 """What the HTTP front door enforces before a request reaches an endpoint: the API key, the
 body size limit and CORS. Plain ASGI middleware, so streamed responses pass through untouched.
 
-- `--api-key` (or PDSERVE_API_KEY): `/v1/*` needs `Authorization: Bearer KEY`, else a 401 in
-  the OpenAI error shape; `/health` and `/metrics` stay open unless `--auth-all-endpoints`.
+- `--api-key` (or PDSERVE_API_KEY): `/v1/*`, `/tokenize` and `/detokenize` need
+  `Authorization: Bearer KEY`, else a 401 in the OpenAI error shape; `/health`, `/metrics` and
+  `/version` stay open unless `--auth-all-endpoints`.
   CORS preflights (OPTIONS) carry no credentials by design and are answered by the CORS layer
   outside this one.
 - `--max-request-body-bytes`: a larger body is a 413, whether it announces its length or not.
@@ -21,6 +22,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.config import RouterConfig
 from router.errors import error_body
+
+PROTECTED = ("/v1/", "/tokenize", "/detokenize")  # the rest (/health, /metrics, /version) is open
 
 
 async def _send_error(send: Send, status: int, message: str, code: str | None, **headers: str):
@@ -43,7 +46,7 @@ class ApiKeyMiddleware:
     def _protected(self, scope: Scope) -> bool:
         if scope["type"] != "http" or scope.get("method") == "OPTIONS":
             return False
-        return self.protect_all or scope.get("path", "").startswith("/v1/")
+        return self.protect_all or scope.get("path", "").startswith(PROTECTED)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self._protected(scope):

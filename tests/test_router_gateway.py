@@ -64,8 +64,12 @@ BODY = {"prompt": [1, 2, 3], "max_tokens": 2}
 def test_v1_without_the_right_bearer_key_is_401_in_the_openai_shape(make, header):
     app = make(api_key=KEY)
     headers = {} if header is None else {"Authorization": header}
-    for method, path in [("POST", "/v1/completions"), ("GET", "/v1/models")]:
-        r = call(app, method, path, json=BODY if method == "POST" else None, headers=headers)
+    for method, path, body in [
+        ("POST", "/v1/completions", BODY),
+        ("GET", "/v1/models", None),
+        ("POST", "/tokenize", {"prompt": "hi"}),
+    ]:
+        r = call(app, method, path, json=body, headers=headers)
         assert r.status_code == 401
         assert r.headers["www-authenticate"] == "Bearer"
         assert r.json()["error"]["code"] == "invalid_api_key"
