@@ -202,7 +202,7 @@ class DecodeNode:
         that fits (the router never sends one that does not)."""
         if self.scheduler.waiting:
             return None
-        if not self.scheduler.running and not self.reservations.reserved:
+        if not (self.scheduler.running or self.scheduler.ready or self.reservations.reserved):
             return 0
         return self._headroom_blocks
 
