@@ -49,6 +49,7 @@ class SoakConfig:
     request_timeout_s: float = 30.0  # the router's deadline
     transfer_deadline_s: float = 15.0
     max_waiting: int = 8  # the router's --max-waiting-requests: overload gives 429s
+    kv_blocks: int | None = None  # --num-kv-blocks of every node (None: the node's default)
     settle_timeout_s: float = 300.0  # for the nodes to come back and release their blocks
     spare_last: bool = True  # never kill the last healthy node of a pool (keeps a path up)
     seed: int = 0
@@ -61,8 +62,14 @@ class SoakConfig:
             "--router-request-timeout-s", str(self.request_timeout_s),
             "--router-max-waiting-requests", str(self.max_waiting),
             "--prefill-transfer-deadline-s", t, "--decode-transfer-deadline-s", t,
-            *self.extra_args,
+            *self._pool_size(), *self.extra_args,
         ]  # fmt: skip
+
+    def _pool_size(self) -> list[str]:
+        if self.kv_blocks is None:
+            return []
+        n = str(self.kv_blocks)
+        return ["--prefill-num-kv-blocks", n, "--decode-num-kv-blocks", n]
 
 
 @dataclass

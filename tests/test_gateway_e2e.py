@@ -31,6 +31,7 @@ def stack(tmp_path_factory):
         "--router-retry-after-s", "2",
         "--router-request-timeout-s", str(DEADLINE_S),
         "--router-api-key", KEY,
+        "--prefill-num-kv-blocks", "512", "--decode-num-kv-blocks", "512",  # 8192 tokens each
         log_path=tmp_path_factory.mktemp("gateway") / "launch.log",
         env={**os.environ, "PDSERVE_CLUSTER_SECRET": SECRET},
     )  # fmt: skip

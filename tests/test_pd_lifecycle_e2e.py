@@ -32,6 +32,7 @@ def stack(tmp_path_factory):
         "--router-prefill-policy", "round_robin",
         "--router-heartbeat-timeout", "2",
         "--decode-num-kv-blocks", str(DECODE_BLOCKS),
+        "--prefill-num-kv-blocks", "256",  # small pools: less memory on a shared machine
         log_path=tmp_path_factory.mktemp("lifecycle") / "launch.log",
     )  # fmt: skip
     yield s
@@ -89,6 +90,7 @@ def test_a_prefill_node_started_by_hand_registers_serves_and_drains_on_sigterm(
     log = open(tmp_path / "manual-prefill.log", "w")
     node = subprocess.Popen(
         [sys.executable, "-m", "prefill_node", "--model", str(smollm_dir), "--device", "cpu",
+         "--num-kv-blocks", "256",
          "--control-address", address, "--router-address", f"tcp://127.0.0.1:{stack.base}"],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
