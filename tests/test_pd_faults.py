@@ -107,6 +107,12 @@ def test_prefill_killed_mid_transfer_frees_the_reservation_and_the_other_prefill
         "2048",
         "--router-heartbeat-timeout",
         "2",
+        # A slow CPU takes tens of seconds per 2048-token chunk, and the decode side's transfer
+        # deadline counts from its reservation: keep it from failing the request first.
+        "--prefill-transfer-deadline-s",
+        "600",
+        "--decode-transfer-deadline-s",
+        "600",
         log_path=tmp_path / "launch.log",
     )
     try:
@@ -133,6 +139,7 @@ def test_prefill_killed_mid_transfer_frees_the_reservation_and_the_other_prefill
                 None,
             ),
             "a prefill node to be transferring",
+            timeout_s=300,
         )
         os.kill(busy["pid"], signal.SIGKILL)
         thread.join(timeout=120)
