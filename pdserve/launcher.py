@@ -4,8 +4,9 @@ line per node (weights, KV blocks, the concurrency they allow), then watch the p
 Ctrl-C or SIGTERM stops every process this launcher started (SIGINT, which stops a node at
 once, then SIGKILL after 5 s; SIGTERM would make a node drain). A node that dies while serving
 is reported and gets no more work (the router's /health shows it); with `--restart-nodes` it is
-started again with the same command line and rejoins with its first heartbeat. The launcher
-ends when the router itself exits.
+started again with the same command line (after a growing delay when it keeps exiting within
+seconds of its start) and rejoins with its first heartbeat. The launcher ends when the router
+itself exits.
 """
 
 from __future__ import annotations
@@ -25,6 +26,27 @@ STOP_GRACE_S = 5.0
 POLL_S = 0.5
 
 
+class RestartBackoff:
+    """When a node that exited may start again: at once after a run of at least `healthy_run_s`
+    and after its first two quick exits in a row, then after a delay that doubles with each
+    further quick exit (1 s, 2 s, ... up to `max_delay_s`), so a node that cannot start (a bad
+    flag, a port in use) does not spin the host."""
+
+    def __init__(self, healthy_run_s: float = 20.0, max_delay_s: float = 60.0) -> None:
+        self.healthy_run_s = healthy_run_s
+        self.max_delay_s = max_delay_s
+        self._quick_exits: dict[str, int] = {}
+
+    def delay(self, name: str, ran_s: float) -> float:
+        """Seconds to wait before restarting `name`, which exited after running `ran_s`."""
+        if ran_s >= self.healthy_run_s:
+            self._quick_exits[name] = 0
+            return 0.0
+        n = self._quick_exits.get(name, 0)
+        self._quick_exits[name] = n + 1
+        return 0.0 if n < 2 else min(self.max_delay_s, 2.0 ** (n - 2))
+
+
 class Stop(Exception):
     def __init__(self, code: int) -> None:
         super().__init__(code)
@@ -39,6 +61,7 @@ class Launcher:
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.started_at: dict[str, float] = {}
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
 
     def run(self) -> int:
@@ -69,6 +92,7 @@ class Launcher:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(self.plan.nodes)))
         for node in self.plan.nodes:
             self.procs.append((node.name, subprocess.Popen(node.argv, env=env)))
+            self.started_at[node.name] = time.monotonic()
         self.procs.append(("router", subprocess.Popen(self.plan.router_argv, env=env)))
 
     def _wait_healthy(self) -> None:
@@ -102,17 +126,31 @@ class Launcher:
         )
         reported: set[str] = set()
         argv = {node.name: node.argv for node in self.plan.nodes}
+        backoff = RestartBackoff()
+        restart_at: dict[str, float] = {}  # exited nodes waiting out their backoff
         while True:
+            now = time.monotonic()
             for i, (name, proc) in enumerate(self.procs):
-                if proc.poll() is not None and name not in reported:
+                if proc.poll() is None or name in reported:
+                    continue
+                if name == "router":
+                    say(f"router (pid {proc.pid}) exited with {proc.returncode}")
+                    raise Stop(1)
+                if not launch.restart_nodes:
                     say(f"{name} (pid {proc.pid}) exited with {proc.returncode}")
-                    if name == "router":
-                        raise Stop(1)
-                    if launch.restart_nodes:
-                        self.procs[i] = (name, subprocess.Popen(argv[name], env=self.env))
-                        say(f"restarted {name} (pid {self.procs[i][1].pid})")
-                    else:
-                        reported.add(name)
+                    reported.add(name)
+                elif name not in restart_at:
+                    wait = backoff.delay(name, now - self.started_at[name])
+                    say(
+                        f"{name} (pid {proc.pid}) exited with {proc.returncode}; restarting"
+                        + (f" in {wait:g} s" if wait else "")
+                    )
+                    restart_at[name] = now + wait
+                elif now >= restart_at[name]:
+                    del restart_at[name]
+                    self.procs[i] = (name, subprocess.Popen(argv[name], env=self.env))
+                    self.started_at[name] = now
+                    say(f"restarted {name} (pid {self.procs[i][1].pid})")
             time.sleep(POLL_S)
 
     def health(self) -> dict[str, Any] | None:

@@ -15,6 +15,7 @@ import pytest
 
 from pdserve.cli import main
 from pdserve.flags import LaunchConfig, build_parser, engine_fields, router_fields
+from pdserve.launcher import RestartBackoff
 from pdserve.plan import configs_from_args, plan
 from tests.pd_stack import ROOT
 
@@ -137,3 +138,12 @@ def test_pip_install_gives_a_pdserve_command_whose_help_lists_every_flag(tmp_pat
     )  # fmt: skip
     for flag in every_flag():
         assert flag in run.stdout, flag
+
+
+def test_restart_backoff_spares_a_node_that_ran_and_slows_a_crash_loop():
+    backoff = RestartBackoff(healthy_run_s=20.0, max_delay_s=8.0)
+    quick = [backoff.delay("decode-0", ran_s=1.0) for _ in range(7)]
+    assert quick == [0.0, 0.0, 1.0, 2.0, 4.0, 8.0, 8.0]
+    assert backoff.delay("prefill-0", ran_s=1.0) == 0.0  # counted per node
+    assert backoff.delay("decode-0", ran_s=25.0) == 0.0  # a healthy run resets the count
+    assert backoff.delay("decode-0", ran_s=1.0) == 0.0
