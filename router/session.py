@@ -1,7 +1,9 @@
 """One dispatched request, from its first event to its end: the router's half of the lifecycle.
 
 `deltas()` turns node events into client-visible `Delta`s: text released by the incremental
-detokenizer, the tokens behind it (with logprobs), and the finish reason. The router ends a
+detokenizer, the tokens behind it (with logprobs), and the finish reason. Events that queued up
+while the client's previous chunk was being written become one `Delta` per choice, so a busy
+router writes fewer, larger chunks instead of falling further behind. The router ends a
 request early on a stop string or when `max_tokens` is reached without the node noticing, and
 then tells the nodes to abort. A node error, a lost node or the deadline raise `OpenAIError`.
 `close()` must run exactly once at the end whatever happened (the HTTP layer guarantees it): it
@@ -24,6 +26,11 @@ from router.prepare import PreparedRequest
 from router.timing import TimingMarks, TimingRecord, assemble
 
 CLIENT_GONE = 499
+
+
+class _DeadlinePassed:
+    """Put on the request's queue by its deadline timer (one timer per request, not one
+    `wait_for` per event: that made a task per token)."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,7 @@ class Session:
         self._early: list[TokenOutput] = []
         self._nodes_done = False  # the nodes are done with the request: nothing to abort
         self._closed = False
+        self._deadline_timer: asyncio.TimerHandle | None = None
 
     @property
     def finished(self) -> bool:
@@ -111,13 +119,28 @@ class Session:
         return sum(c.tokens for c in self.choices)
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        try:
-            while not self.finished:
-                for delta in self._handle(await self._next()):
+        if self._deadline_timer is None and not self._closed:
+            remaining = max(0.0, self.deadline - self.core.clock())
+            expire = self.queue.put_nowait
+            loop = asyncio.get_running_loop()
+            self._deadline_timer = loop.call_later(remaining, expire, _DeadlinePassed())
+        while not self.finished:
+            ready: dict[int, Delta] = {}
+            try:
+                event = await self.queue.get()
+                while True:
+                    for delta in self._handle(event):
+                        _merge(ready, delta)
+                    if self.finished or self.queue.empty():
+                        break
+                    event = self.queue.get_nowait()
+            except OpenAIError as exc:
+                self.status = exc.status
+                for delta in ready.values():  # what the client may still see before the error
                     yield delta
-        except OpenAIError as exc:
-            self.status = exc.status
-            raise
+                raise
+            for delta in ready.values():
+                yield delta
 
     def usage(self) -> dict[str, int]:
         prompt = len(self.prepared.prompt_token_ids)
@@ -134,6 +157,8 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
         if self.status is None:
             self.status = CLIENT_GONE
         if not self._nodes_done:
@@ -146,19 +171,10 @@ class Session:
             [c.finish_reason for c in self.choices if c.finish_reason is not None],
         )
 
-    async def _next(self) -> RequestEvent:
-        if not self.queue.empty():
-            return self.queue.get_nowait()
-        remaining = self.deadline - self.core.clock()
-        try:
-            if remaining <= 0:
-                raise asyncio.TimeoutError
-            return await asyncio.wait_for(self.queue.get(), remaining)
-        except asyncio.TimeoutError:
+    def _handle(self, event: RequestEvent | _DeadlinePassed) -> list[Delta]:
+        if isinstance(event, _DeadlinePassed):
             timeout = self.core.config.request_timeout_s
-            raise OpenAIError(504, f"the request did not finish within {timeout} s") from None
-
-    def _handle(self, event: RequestEvent) -> list[Delta]:
+            raise OpenAIError(504, f"the request did not finish within {timeout} s")
         if isinstance(event, NodeLost):
             raise OpenAIError(503, f"node {event.node_id} failed: {event.reason}")
         if isinstance(event, RequestError):
@@ -245,6 +261,17 @@ class Session:
         if not all(c.node_done for c in self.choices):
             self.core.abort(self.request_id, self.route)
         self._nodes_done = True  # finished by the nodes, or aborted now: close() need not
+
+
+def _merge(ready: dict[int, Delta], delta: Delta) -> None:
+    """Add `delta` to the one already collected for its choice (kept in arrival order)."""
+    into = ready.get(delta.index)
+    if into is None:
+        ready[delta.index] = delta
+        return
+    into.text += delta.text
+    into.pieces += delta.pieces
+    into.finish_reason = delta.finish_reason or into.finish_reason
 
 
 def _pairs(raw: list[list[float]] | None) -> tuple[tuple[int, float], ...] | None:

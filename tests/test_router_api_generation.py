@@ -283,6 +283,19 @@ def test_completion_logprobs_in_a_stream(make, answer_ids):
     assert sum((lp["text_offset"] for lp in lps), []) == [0, 6]
 
 
+def test_events_queued_while_the_client_is_served_become_one_chunk(make, answer_ids):
+    # The loopback nodes answer during dispatch, so every event is queued before the stream's
+    # first read: a router that fell behind catches up with one chunk, losing no token.
+    app, _, _ = make(generation_script(answer_ids))
+    request = {"prompt": "x", "max_tokens": 50, "logprobs": 0, "stream": True}
+    *chunks, done = sse_events(post(app, TEXT, request))
+    assert done == "[DONE]"
+    (chunk,) = chunks
+    (choice,) = chunk["choices"]
+    assert choice["text"] == ANSWER and choice["finish_reason"] == "stop"
+    assert len(choice["logprobs"]["tokens"]) == len(answer_ids)
+
+
 def test_node_error_becomes_an_openai_error_with_its_status(make):
     def refuse(node_id: str, message: Any) -> list[Any]:
         if isinstance(message, PrefillRequest):
