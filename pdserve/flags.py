@@ -16,6 +16,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from common.config import _SUBCONFIGS, EngineConfig, _scalar_type
 from common.node_config import NodeConfig
@@ -49,8 +50,12 @@ class LaunchConfig:
     )
     host: str = field(default="127.0.0.1", metadata={"help": "router HTTP address"})
     port: int = field(default=8000, metadata={"help": "router HTTP port"})
-    num_prefill: int = field(default=1, metadata={"help": "prefill processes"})
-    num_decode: int = field(default=1, metadata={"help": "decode processes"})
+    num_prefill: int = field(
+        default=1, metadata={"help": "prefill processes on this host (0: none here)"}
+    )
+    num_decode: int = field(
+        default=1, metadata={"help": "decode processes on this host (0: none here)"}
+    )
     colocated: bool = field(
         default=False, metadata={"help": "no prefill pool: each decode node prefills (baseline)"}
     )
@@ -68,6 +73,17 @@ class LaunchConfig:
     health_timeout: float = field(
         default=600.0, metadata={"help": "seconds to wait for every node to be healthy"}
     )
+    bind_host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "address this host's nodes (and the router's events socket) bind to "
+                  "and announce; other hosts must reach it; beyond loopback it needs "
+                  "PDSERVE_CLUSTER_SECRET"},
+    )  # fmt: skip
+    router_url: str | None = field(
+        default=None,
+        metadata={"help": "start no router: this host's nodes join the one at this URL (its "
+                  "events socket: the URL's host at --zmq-base-port, as on its own host)"},
+    )  # fmt: skip
     restart_nodes: bool = field(
         default=False,
         metadata={"help": "start a node again (same flags and addresses) whenever it exits; "
@@ -75,11 +91,13 @@ class LaunchConfig:
     )  # fmt: skip
 
     def __post_init__(self) -> None:
-        if self.num_decode < 1 or (self.num_prefill < 1 and not self.colocated):
+        if min(self.num_prefill, self.num_decode) < 0 or self.prefill_count + self.num_decode < 1:
             raise ValueError(
-                f"need at least one decode node and (unless --colocated) one prefill node, got "
-                f"num_prefill={self.num_prefill}, num_decode={self.num_decode}"
+                f"need at least one node on this host, got num_prefill={self.num_prefill}, "
+                f"num_decode={self.num_decode}, colocated={self.colocated}"
             )
+        if self.router_url is not None and not urlsplit(self.router_url).hostname:
+            raise ValueError(f"router_url must be like http://HOST:PORT, got {self.router_url!r}")
         if not 0 < self.port < 65536 or not 0 < self.zmq_base_port < 65536 - 300:
             raise ValueError(f"bad ports: port={self.port}, zmq_base_port={self.zmq_base_port}")
         if self.health_timeout <= 0:

@@ -6,7 +6,8 @@ once, then SIGKILL after 5 s; SIGTERM would make a node drain). A node that dies
 is reported and gets no more work (the router's /health shows it); with `--restart-nodes` it is
 started again with the same command line (after a growing delay when it keeps exiting within
 seconds of its start) and rejoins with its first heartbeat. The launcher ends when the router
-itself exits.
+itself exits. With `--router-url` it starts no router: its nodes join the router of another
+host, and it waits for them to show healthy in that router's /health.
 """
 
 from __future__ import annotations
@@ -93,12 +94,14 @@ class Launcher:
         for node in self.plan.nodes:
             self.procs.append((node.name, subprocess.Popen(node.argv, env=env)))
             self.started_at[node.name] = time.monotonic()
-        self.procs.append(("router", subprocess.Popen(self.plan.router_argv, env=env)))
+        if self.plan.router_argv is not None:
+            self.procs.append(("router", subprocess.Popen(self.plan.router_argv, env=env)))
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.plan.configs.launch.health_timeout
-        # Serving once every started node heartbeats, not just one of each role: a load that
-        # starts right away should find the whole pool.
+        # Serving once every node started here heartbeats, not just one of each role: a load
+        # that starts right away should find the whole pool.
+        mine = {node.address for node in self.plan.nodes}
         while True:
             for name, proc in self.procs:
                 if proc.poll() is not None:
@@ -106,7 +109,7 @@ class Launcher:
                     raise Stop(1)
             health = self.health()
             nodes = health.get("nodes", []) if health else []
-            if nodes and all(n.get("healthy") for n in nodes):
+            if mine <= {n.get("id") for n in nodes if n.get("healthy")}:
                 break
             if time.monotonic() > deadline:
                 say(f"not healthy after {self.plan.configs.launch.health_timeout:g} s")

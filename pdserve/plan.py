@@ -15,9 +15,11 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from common.config import EngineConfig
 from common.node_config import NodeConfig
+from common.wire_auth import require_secret_for
 from pdserve.flags import POOLS, LaunchConfig, engine_fields, router_fields
 from router.config import RouterConfig
 
@@ -45,8 +47,8 @@ class Plan:
     configs: Configs
     model_name: str
     nodes: list[NodeProcess]
-    router_argv: list[str]
-    url: str
+    router_argv: list[str] | None  # None: the nodes join a router on another host
+    url: str  # the router's HTTP address
 
 
 def configs_from_args(args: argparse.Namespace) -> Configs:
@@ -71,6 +73,7 @@ def configs_from_args(args: argparse.Namespace) -> Configs:
     router = {f.name: getattr(args, f"router__{f.name}") for f in router_fields()}
     router = {k: v for k, v in router.items() if v is not None}
     RouterConfig(decode=("check",), **router)  # validates the values the user gave
+    require_secret_for([f"tcp://{launch.bind_host}:{launch.zmq_base_port}"])
     return Configs(launch, engines, nodes, router)
 
 
@@ -95,9 +98,12 @@ def gpu_count() -> int:
 
 
 def plan(configs: Configs, model_dir: str, model_name: str, gpus: int) -> Plan:
+    """Every socket binds to `--bind-host` (loopback by default); with `--router-url` no router
+    is started and the nodes heartbeat to its events socket on the router's host."""
     launch = configs.launch
-    base = launch.zmq_base_port
-    events = f"tcp://127.0.0.1:{base}"
+    base, host = launch.zmq_base_port, launch.bind_host
+    router_host = urlsplit(launch.router_url).hostname if launch.router_url else host
+    events = f"tcp://{router_host}:{base}"
     prefill_gpus, decode_gpus = launch.prefill_gpus, launch.decode_gpus
     if gpus and not (prefill_gpus or decode_gpus):
         # Default pools: prefill on the first GPUs, decode on the next ones (shared if too few).
@@ -105,7 +111,7 @@ def plan(configs: Configs, model_dir: str, model_name: str, gpus: int) -> Plan:
         decode_gpus = tuple((launch.prefill_count + j) % gpus for j in range(launch.num_decode))
     nodes = []
     for i in range(launch.prefill_count):
-        address = f"tcp://127.0.0.1:{base + 1 + i}"
+        address = f"tcp://{host}:{base + 1 + i}"
         node = dataclasses.replace(
             configs.nodes["prefill"], control_address=address, router_address=events
         )
@@ -113,12 +119,12 @@ def plan(configs: Configs, model_dir: str, model_name: str, gpus: int) -> Plan:
                           _gpu(prefill_gpus, i), gpus)  # fmt: skip
         nodes.append(NodeProcess(f"prefill-{i}", "prefill", address, argv))
     for j in range(launch.num_decode):
-        address = f"tcp://127.0.0.1:{base + 101 + j}"
+        address = f"tcp://{host}:{base + 101 + j}"
         node = dataclasses.replace(
             configs.nodes["decode"],
             control_address=address,
             router_address=events,
-            kv_address=f"tcp://127.0.0.1:{base + 201 + j}",
+            kv_address=f"tcp://{host}:{base + 201 + j}",
         )
         argv = _node_argv("decode_node", configs.engines["decode"], node, model_dir,
                           _gpu(decode_gpus, j), gpus)  # fmt: skip
@@ -131,9 +137,12 @@ def plan(configs: Configs, model_dir: str, model_name: str, gpus: int) -> Plan:
         port=launch.port,
         prefill=tuple(n.address for n in nodes if n.role == "prefill"),
         decode=tuple(n.address for n in nodes if n.role != "prefill"),
+        mode="colocated" if launch.colocated else "pd",  # a pool may be on other hosts only
         events_address=events,
         **configs.router,
     )
+    if launch.router_url:
+        return Plan(configs, router.served_model_name, nodes, None, launch.router_url.rstrip("/"))
     router_argv = [sys.executable, "-m", "router", *_flags(router)]
     url = f"http://{launch.host}:{launch.port}"
     return Plan(configs, router.served_model_name, nodes, router_argv, url)

@@ -13,6 +13,7 @@ import venv
 
 import pytest
 
+from common import wire_auth
 from pdserve.cli import main
 from pdserve.flags import LaunchConfig, build_parser, engine_fields, router_fields
 from pdserve.launcher import RestartBackoff
@@ -79,13 +80,35 @@ def test_plan_gives_each_node_its_ports_gpu_and_only_non_default_flags():
     assert all("--colocated" in n.argv and "cpu" in n.argv for n in colocated.nodes)
 
 
+def test_two_host_flags_bind_every_socket_there_and_join_a_remote_router(monkeypatch):
+    """Host A: router and prefill pool; host B: only the decode pool, joining A's router."""
+    monkeypatch.setattr(wire_auth.SIGNER, "secret", b"s")
+    host_a = plan(parse("--num-decode", "0", "--bind-host", "10.0.0.1", "--host", "0.0.0.0"),
+                  "/m", "m", gpus=0)  # fmt: skip
+    assert [n.address for n in host_a.nodes] == ["tcp://10.0.0.1:5601"]
+    router = host_a.router_argv
+    assert router[router.index("--events-address") + 1] == "tcp://10.0.0.1:5600"
+    assert router[router.index("--mode") + 1] == "pd" and "--decode" not in router
+    host_b = plan(parse("--num-prefill", "0", "--bind-host", "10.0.0.2",
+                        "--router-url", "http://10.0.0.1:8000/"), "/m", "m", gpus=0)  # fmt: skip
+    assert host_b.router_argv is None and host_b.url == "http://10.0.0.1:8000"
+    (decode,) = host_b.nodes
+    argv = dict(zip(decode.argv, decode.argv[1:]))
+    assert decode.address == argv["--control-address"] == "tcp://10.0.0.2:5701"
+    assert argv["--kv-address"] == "tcp://10.0.0.2:5801"
+    assert argv["--router-address"] == "tcp://10.0.0.1:5600"
+
+
 @pytest.mark.parametrize(
     "argv,needle",
     [
         (["--dtype", "float64"], "invalid choice"),
         (["--transport", "carrier-pigeon"], "invalid choice"),
         (["--max-num-seqs", "many"], "invalid int"),
-        (["--num-decode", "0"], "num_decode=0"),
+        (["--num-prefill", "0", "--num-decode", "0"], "num_decode=0"),
+        (["--colocated", "--num-decode", "0"], "colocated=True"),
+        (["--router-url", "10.0.0.1:8000"], "router_url must be like"),
+        (["--bind-host", "10.0.0.2"], "PDSERVE_CLUSTER_SECRET"),
         (["--block-size", "0"], "block_size must be >= 1"),
         (["--decode-kv-memory-fraction", "1.5"], "kv_memory_fraction"),
         (["--stats-interval", "-1"], "stats_interval"),
