@@ -38,7 +38,7 @@ def test_serve_help_lists_every_launcher_engine_node_and_router_flag():
     text = serve_help()
     for flag in every_flag():
         assert flag in text, flag
-    assert "{auto,float32,bfloat16,float16}" in text and "{zmq,cuda_ipc,loopback}" in text
+    assert "{auto,float32,bfloat16,float16}" in text and "{zmq,cuda_ipc,nixl,loopback}" in text
 
 
 def parse(*argv: str):
@@ -93,7 +93,7 @@ def test_two_host_flags_bind_every_socket_there_and_join_a_remote_router(monkeyp
                         "--router-url", "http://10.0.0.1:8000/"), "/m", "m", gpus=0)  # fmt: skip
     assert host_b.router_argv is None and host_b.url == "http://10.0.0.1:8000"
     (decode,) = host_b.nodes
-    argv = dict(zip(decode.argv, decode.argv[1:]))
+    argv = dict(zip(decode.argv, decode.argv[1:], strict=False))
     assert decode.address == argv["--control-address"] == "tcp://10.0.0.2:5701"
     assert argv["--kv-address"] == "tcp://10.0.0.2:5801"
     assert argv["--router-address"] == "tcp://10.0.0.1:5600"
