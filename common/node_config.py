@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 from dataclasses import dataclass, field
 
@@ -27,8 +28,9 @@ class NodeConfig:
         default="zmq",
         metadata={
             "help": "KV transport: zmq (any host), cuda_ipc (same host, falls back to zmq "
-            "framing); loopback is for in-process tests",
-            "choices": ("zmq", "cuda_ipc", "loopback"),
+            "framing), nixl (NIXL WRITEs, any host; needs the nixl package); loopback is for "
+            "in-process tests",
+            "choices": ("zmq", "cuda_ipc", "nixl", "loopback"),
         },
     )
     ipc_stream_min_tokens: int = field(
@@ -66,6 +68,11 @@ class NodeConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.kv_growth_headroom < 1.0:
             raise ValueError(f"kv_growth_headroom must be in [0, 1), got {self.kv_growth_headroom}")
+        if self.transport == "nixl" and importlib.util.find_spec("nixl") is None:
+            raise ValueError(
+                "--transport nixl needs the nixl package, which is not installed "
+                "(pip install 'pdserve[nixl]')"
+            )
 
 
 def parse_node_args(

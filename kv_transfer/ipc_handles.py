@@ -100,6 +100,14 @@ ALL_KINDS: dict[str, type] = {**KINDS, **IPC_KINDS}
 _KIND_OF: dict[type, str] = {cls: kind for kind, cls in IPC_KINDS.items()}
 
 
+def register_kind(kind: str, cls: type) -> None:
+    """A transport that shares this wire adds a message of its own (nixl: its pool export)."""
+    if ALL_KINDS.get(kind, cls) is not cls:
+        raise ValueError(f"message kind {kind!r} is taken by {ALL_KINDS[kind].__name__}")
+    IPC_KINDS[kind] = ALL_KINDS[kind] = cls
+    _KIND_OF[cls] = kind
+
+
 def encode_message(message: Any) -> bytes:
     """One of this module's messages (frames' headers have `encode_header`)."""
     fields = dataclasses.asdict(message)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from kv_transfer.base import KVReceiver, KVSender, TransferConfig
 from kv_transfer.cuda_ipc import CudaIpcReceiver, CudaIpcSender
 from kv_transfer.loopback import LoopbackReceiver, LoopbackSender
+from kv_transfer.nixl_transport import NixlReceiver, NixlSender
 from kv_transfer.zmq_transport import ZmqReceiver, ZmqSender
 
 if TYPE_CHECKING:
@@ -16,6 +17,7 @@ TRANSPORTS: dict[str, tuple[type[KVSender], type[KVReceiver]]] = {
     "zmq": (ZmqSender, ZmqReceiver),
     "loopback": (LoopbackSender, LoopbackReceiver),
     "cuda_ipc": (CudaIpcSender, CudaIpcReceiver),
+    "nixl": (NixlSender, NixlReceiver),  # needs the optional nixl package
 }
 
 
