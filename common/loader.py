@@ -101,6 +101,8 @@ def build_model(
             model = LlamaForCausalLM(spec, max_positions)
     finally:
         torch.set_default_dtype(previous)
+    if torch.device(device).type == "meta":
+        return model.eval()  # shapes only, no memory: for sizing a model (parameter counts)
     with torch.no_grad():
         if load_format == "dummy":
             fill_dummy_weights(model, seed)
