@@ -1,4 +1,5 @@
-"""KV transfer bandwidth: GB/s against payload size for the cuda_ipc and zmq transports, next to
+"""KV transfer bandwidth: GB/s against payload size for the cuda_ipc and zmq transports (and nixl
+with `--transports ... nixl`, where the nixl package is installed), next to
 the raw peer-to-peer copy between the two GPUs and a raw ZMQ loopback stream, in one run.
 
     python benchmarks/bench_transfer.py [--sizes-mb 1 4 16 64 256 1024] [--repeats 5] \\
@@ -349,7 +350,7 @@ def measure_transport(
                 found = sender.connect(peer.address)
                 route = asdict(found) if found else {"direct": False, "reason": "unreachable"}
                 if not route["direct"]:
-                    print(f"WARNING: cuda_ipc falls back to frames: {route['reason']}", flush=True)
+                    print(f"WARNING: {kind} falls back to frames: {route['reason']}", flush=True)
             return _measure(kind + " bulk" * bulk, sizes, args.repeats, per_size), route
         finally:
             sender.close()  # drops the opened remote pool before its owner exits
@@ -450,6 +451,7 @@ SERIES = [  # (result key, side, label, style)
     ("cuda_ipc_bulk", "recv", "cuda_ipc, one send_layers, receiver DONE", "C4--v"),
     ("zmq", "send", "zmq, sender DONE", "C1-^"),
     ("zmq", "recv", "zmq, receiver DONE", "C1--v"),
+    ("nixl", "recv", "nixl WRITEs, receiver DONE", "C5--v"),
 ]
 
 
@@ -467,6 +469,7 @@ def print_table(result: dict[str, Any]) -> None:
             ("layers/p2p", "ipc_data_layer", "send"),
             ("ipc/p2p", "cuda_ipc", "recv"),
             ("bulk/p2p", "cuda_ipc_bulk", "recv"),
+            ("nixl/p2p", "nixl", "recv"),
         )
         if "p2p" in runs and key in runs
     ]
@@ -483,7 +486,8 @@ def print_table(result: dict[str, Any]) -> None:
             line += f" {runs[key][i][f'{side}_gbps'] / runs['p2p'][i]['send_gbps']:>10.0%}"
         print(line)
     for kind, route in result.get("routes", {}).items():
-        how = "direct CUDA IPC" if route.get("direct") else f"FRAMES: {route.get('reason')}"
+        direct = "NIXL WRITEs" if kind == "nixl" else "direct CUDA IPC"
+        how = direct if route.get("direct") else f"FRAMES: {route.get('reason')}"
         print(f"{kind} route: {how} {route.get('device', '')}")
     if any(not r.get("verified", True) for rows in runs.values() for r in rows):
         print("! = the data that arrived differs from what was sent")
@@ -539,7 +543,7 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--sizes-mb", type=float, nargs="+", default=None, help="payloads (MiB)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--transports", nargs="+", choices=["cuda_ipc", "zmq"], default=None)
+    ap.add_argument("--transports", nargs="+", choices=["cuda_ipc", "zmq", "nixl"], default=None)
     ap.add_argument("--same-gpu", action="store_true", help="receiver pool on cuda:0 too")
     ap.add_argument("--cpu-smoke", action="store_true", help="CPU pools, no p2p; for no-GPU hosts")
     ap.add_argument("--layers", type=int, default=Layout.layers)

@@ -221,7 +221,8 @@ class NixlWriter:
             self.remote_name = agent.agent.add_remote_agent(export.agent_metadata)
         except Exception as exc:
             raise NixlUnavailable(f"cannot load the receiver's NIXL metadata: {exc}") from exc
-        self.holder = f"nixl:{self.remote_name}"
+        name = self.remote_name
+        self.holder = f"nixl:{name.decode() if isinstance(name, bytes) else name}"
 
     @property
     def remote_num_blocks(self) -> int:
