@@ -303,7 +303,7 @@ def test_failure_injection_fails_every_transfer_on_both_sides_or_none(
 
 
 def test_unknown_transport_name_lists_the_known_ones():
-    with pytest.raises(ValueError, match="loopback, zmq"):
+    with pytest.raises(ValueError, match="cuda_ipc, loopback, nixl, zmq"):
         create_sender(TransferConfig(transport="pigeon"), make_pool(torch.float32, 0))
     with pytest.raises(ValueError, match="pigeon"):
         create_receiver(TransferConfig(transport="pigeon"), make_pool(torch.float32, 0), "x")
