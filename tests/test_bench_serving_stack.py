@@ -30,7 +30,7 @@ def small_workload(num: int, seed: int = 0) -> list[RequestSpec]:
     return build_workload(WorkloadConfig("random", num, seed, input_len="16:48", output_len="3:6"))
 
 
-def test_a_poisson_run_gets_every_token_as_its_own_chunk_and_the_server_phases(stack):
+def test_a_poisson_run_counts_every_token_and_the_server_phases(stack):
     specs = small_workload(6)
     out = bench_serving.benchmark(
         Target(stack.url, MODEL), specs, RunConfig(request_rate=4.0, seed=1, progress=False)
@@ -39,8 +39,10 @@ def test_a_poisson_run_gets_every_token_as_its_own_chunk_and_the_server_phases(s
     assert summary["completed"] == 6 and summary["failed"] == 0
     assert summary["total_output_tokens"] == sum(s.output_len for s in specs)  # ignore_eos
     for spec, row in zip(specs, out["requests"], strict=True):
-        assert row["output_tokens"] == spec.output_len
-        assert len(row["itl"]) == spec.output_len - 1  # a chunk per token
+        assert row["output_tokens"] == spec.output_len  # from the usage chunk
+        # An ITL gap per chunk after the first: a chunk per token while the router keeps up,
+        # fewer when it falls behind and sends what queued up as one (as vLLM's server does).
+        assert len(row["itl"]) <= spec.output_len - 1
         assert row["prompt_tokens"] == spec.prompt_len
     phases = out["server_phases"]
     for phase in ("prefill_compute", "kv_transfer", "router_queue_tokenize", "ttft"):
