@@ -1,0 +1,154 @@
+"""What the profiler measured, and the JSON cache that makes later plans instant.
+
+Pure Python. A `Profile` holds the raw points and the fits made from them; `ProfileKey` says
+which engine it describes (model, dtype, device, TP size, code version): a cache entry whose
+key differs in any field is never used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdserve.planner.cost_model import CostModel, DecodeFit, PrefillFit
+
+ROOT = Path(__file__).resolve().parents[2]
+# Sources whose change can change step times: the engine, its kernels and the node loops.
+TIMED_SOURCES = ("common", "prefill_node", "decode_node", "kv_transfer")
+
+
+@dataclass(frozen=True)
+class ProfileKey:
+    model: str  # the resolved model directory (or name) and load format
+    dtype: str
+    device: str  # e.g. "NVIDIA H200", "cpu:2threads"
+    tp: int
+    code_version: str
+
+    def as_text(self) -> str:
+        return f"{self.model}|{self.dtype}|{self.device}|tp{self.tp}|{self.code_version}"
+
+
+@dataclass(frozen=True)
+class PrefillPoint:
+    """One prefill step: `tokens` new tokens of one prompt after `context` cached ones."""
+
+    tokens: int
+    context: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class DecodePoint:
+    """One decode step of `batch` sequences, each with `context` tokens of KV."""
+
+    batch: int
+    context: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    """KV capacity of one device. On a GPU, `kv_bytes` was what the pool got at
+    `kv_memory_fraction` of `total_bytes`; the rest of that share (weights, activations,
+    graphs) is `fixed_bytes`, assumed the same at other fractions. On CPU the pool is a fixed
+    byte budget (`total_bytes` and the fraction are None)."""
+
+    kv_bytes_per_token: int
+    block_size: int
+    kv_bytes: int
+    weight_bytes: int
+    total_bytes: int | None = None
+    kv_memory_fraction: float | None = None
+
+    @property
+    def fixed_bytes(self) -> int | None:
+        if self.total_bytes is None or self.kv_memory_fraction is None:
+            return None
+        return int(self.total_bytes * self.kv_memory_fraction) - self.kv_bytes
+
+    def kv_blocks(self, fraction: float | None = None) -> int:
+        """Blocks a pool gets at `fraction` (GPU), or the profiled pool (CPU, or None)."""
+        budget = self.kv_bytes
+        if fraction is not None and self.fixed_bytes is not None:
+            budget = int(self.total_bytes * fraction) - self.fixed_bytes
+        block_bytes = self.kv_bytes_per_token * self.block_size
+        return max(0, budget // block_bytes - 1)  # one padding block, as the worker sizes it
+
+
+@dataclass(frozen=True)
+class Profile:
+    key: ProfileKey
+    prefill: tuple[PrefillPoint, ...]
+    decode: tuple[DecodePoint, ...]
+    memory: MemoryInfo
+    cost: CostModel
+    created: str = ""  # ISO time, for the reader
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
+        cost = data["cost"]
+        return cls(
+            key=ProfileKey(**data["key"]),
+            prefill=tuple(PrefillPoint(**p) for p in data["prefill"]),
+            decode=tuple(DecodePoint(**p) for p in data["decode"]),
+            memory=MemoryInfo(**data["memory"]),
+            cost=CostModel(
+                prefill=PrefillFit(**_tuples(cost["prefill"])), decode=DecodeFit(**cost["decode"])
+            ),
+            created=data.get("created", ""),
+        )
+
+
+def _tuples(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+
+
+def code_version(root: Path = ROOT) -> str:
+    """A hash of the timed sources: a profile taken before an engine change is not reused."""
+    digest = hashlib.blake2b(digest_size=8)
+    for top in TIMED_SOURCES:
+        for path in sorted((root / top).rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+class ProfileCache:
+    """One JSON file: {key text: profile}. Writes are atomic (temp file, then rename)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def _read(self) -> dict[str, Any]:
+        if not self.path.exists():
+            return {}
+        try:
+            data = json.loads(self.path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"profile cache {self.path} is not JSON ({exc.msg})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"profile cache {self.path} holds no object")
+        return data
+
+    def get(self, key: ProfileKey) -> Profile | None:
+        entry = self._read().get(key.as_text())
+        if entry is None:
+            return None
+        profile = Profile.from_dict(entry)
+        return profile if profile.key == key else None
+
+    def put(self, profile: Profile) -> None:
+        data = self._read()
+        data[profile.key.as_text()] = profile.to_dict()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(self.path)
