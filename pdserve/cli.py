@@ -3,6 +3,7 @@ hub id from the local Hugging Face cache, a GGUF converted to the serving dtype)
 
 Errors in flags or in the model name end with one line and exit code 2 before any process
 starts; `pdserve serve --help` lists every launcher, engine/node and router flag.
+`pdserve plan [MODEL] [flags]` recommends a layout and its flags (`pdserve/planner/`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ USAGE_ERROR = 2
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        return plan_command(args)
     from pdserve.plan import configs_from_args, gpu_count, plan, serving_dtype
 
     try:
@@ -36,6 +39,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pdserve.launcher import Launcher
 
     return Launcher(plan(configs, str(source.directory), source.name, gpus)).run()
+
+
+def plan_command(args) -> int:
+    """`pdserve plan`: a bad flag or model ends with one line and exit code 2."""
+    from pdserve.planner.main import main as plan_main
+
+    try:
+        return plan_main(args)
+    except ValueError as exc:
+        args.plan_parser.error(str(exc))
+    return USAGE_ERROR  # not reached: error() exits
 
 
 def entry() -> None:

@@ -139,7 +139,19 @@ def build_parser() -> argparse.ArgumentParser:
     hints = typing.get_type_hints(LaunchConfig)
     for f in dataclasses.fields(LaunchConfig):
         _add(launch, "--" + f.name.replace("_", "-"), f.name, hints[f.name], f, hidden=False)
-    engine = serve.add_argument_group(
+    add_engine_flags(serve)
+    parser.set_defaults(serve_parser=serve)  # cli.main reports config errors through it
+    router = serve.add_argument_group("router flags", "Also accepted as --router-X.")
+    add_router_args(router, router_fields(), dest_prefix="router__", default=None)
+    add_router_args(
+        router, router_fields(), prefix="router-", dest_prefix="router__", default=None, hidden=True
+    )
+    _add_plan_parser(commands)
+    return parser
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    engine = parser.add_argument_group(
         "engine and node flags",
         "Each applies to both pools; --prefill-X / --decode-X set it for one pool only (e.g. "
         "--decode-max-num-seqs 64, --prefill-no-enable-prefix-caching).",
@@ -149,13 +161,25 @@ def build_parser() -> argparse.ArgumentParser:
         _add(engine, f"--{name}", f"all__{f.name}", hint, f, hidden=False)
         for pool in POOLS:
             _add(engine, f"--{pool}-{name}", f"{pool}__{f.name}", hint, f, hidden=True)
-    parser.set_defaults(serve_parser=serve)  # cli.main reports config errors through it
-    router = serve.add_argument_group("router flags", "Also accepted as --router-X.")
-    add_router_args(router, router_fields(), dest_prefix="router__", default=None)
-    add_router_args(
-        router, router_fields(), prefix="router-", dest_prefix="router__", default=None, hidden=True
+
+
+def _add_plan_parser(commands: Any) -> None:
+    from pdserve.planner.config import add_plan_args
+
+    plan = commands.add_parser(
+        "plan",
+        allow_abbrev=False,
+        help="profile the engine, simulate layouts and recommend a launch command",
+        description="Profile the engine on one device (cached), simulate every prefill/decode "
+        "layout and the colocated baseline on --devices devices for a workload and SLOs, print "
+        "them ranked with the `pdserve serve` command of the best; --validate K launches the "
+        "top K and measures them.",
     )
-    return parser
+    plan.add_argument("model_arg", nargs="?", metavar="MODEL", help="same as --model")
+    plan.add_argument("--model", dest="model", default=None, help="as for pdserve serve")
+    add_engine_flags(plan)
+    add_plan_args(plan.add_argument_group("planner flags"))
+    plan.set_defaults(plan_parser=plan)
 
 
 def _add(

@@ -60,12 +60,7 @@ def configs_from_args(args: argparse.Namespace) -> Configs:
         launch_values["model"] = args.model_arg
     launch = LaunchConfig(**{k: v for k, v in launch_values.items() if v is not None})
     engines, nodes = {}, {}
-    for pool in POOLS:
-        options = {}
-        for f, _ in engine_fields():
-            value = getattr(args, f"{pool}__{f.name}")
-            options[f.name] = value if value is not None else getattr(args, f"all__{f.name}")
-        given = {k: v for k, v in options.items() if v is not None}
+    for pool, given in pool_options(args).items():
         node = {k: v for k, v in given.items() if k in NODE_FIELDS}
         nodes[pool] = NodeConfig(**node, colocated=launch.colocated and pool == "decode")
         engine = {k: v for k, v in given.items() if k not in NODE_FIELDS}
@@ -75,6 +70,18 @@ def configs_from_args(args: argparse.Namespace) -> Configs:
     RouterConfig(decode=("check",), **router)  # validates the values the user gave
     require_secret_for([f"tcp://{launch.bind_host}:{launch.zmq_base_port}"])
     return Configs(launch, engines, nodes, router)
+
+
+def pool_options(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Per pool, the engine and node flags the user gave (`--prefill-X` wins over `--X`)."""
+    out = {}
+    for pool in POOLS:
+        options = {}
+        for f, _ in engine_fields():
+            value = getattr(args, f"{pool}__{f.name}")
+            options[f.name] = value if value is not None else getattr(args, f"all__{f.name}")
+        out[pool] = {k: v for k, v in options.items() if v is not None}
+    return out
 
 
 def serving_dtype(engine: EngineConfig, gpu_count: int) -> str:

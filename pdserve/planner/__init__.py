@@ -14,3 +14,13 @@ The steps, one module each, with typed dataclasses between them:
    the serving benchmark (`benchmarks/sweep_layouts.py`), predicted against measured.
 `main` wires them to the `plan` subcommand.
 """
+
+import sys
+from pathlib import Path
+
+# The planner reuses the serving benchmark's workloads, metrics and launcher (`benchmarks/`),
+# which is not an installed package: from a checkout (or an editable install), put the
+# repository on the path. An install without it fails on first use with an ImportError.
+_ROOT = Path(__file__).resolve().parents[2]
+if (_ROOT / "benchmarks" / "loadgen").is_dir() and str(_ROOT) not in sys.path:
+    sys.path.append(str(_ROOT))
