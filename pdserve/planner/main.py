@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -107,7 +108,12 @@ def _profile(config: PlanConfig, setup: Setup, tp: int) -> Profile:
         repeats=config.profile_repeats,
     )  # fmt: skip
     print(f"profiling {key.model} on {key.device} ({key.dtype})", flush=True)
-    profile = Profiler(engine, grid).run(key)
+    profiler = Profiler(engine, grid)
+    profile = profiler.run(key)
+    del profiler  # the weights, KV pool and graphs: --validate's nodes need the GPU memory
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     cache.put(profile)
     print(f"profile cached in {cache.path}")
     return profile

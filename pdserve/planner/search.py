@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import multiprocessing as mp
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
@@ -23,6 +24,7 @@ from pdserve.planner.simulator import PoolSetup, SimConfig, SimRequest, SimResul
 
 SCAN = 1.5  # rate scan factor; then BISECT halvings of the bracket
 BISECT = 6
+MAX_SCAN = 16  # 1.5**16 ~ 650x the first guess
 
 
 @dataclass(frozen=True)
@@ -164,10 +166,14 @@ def max_rate(problem: Problem, layout: Layout, knobs: Knobs) -> Prediction:
 
     lo = hi = first_guess(problem, layout, knobs)
     if judge(lo).attainment >= target:
-        while judge(hi := hi * SCAN).attainment >= target:
+        for _ in range(MAX_SCAN):
+            if judge(hi := hi * SCAN).attainment < target:
+                break
             lo = hi
+        else:  # still met far past any plausible capacity: an SLO no queue can miss
+            return judge(lo)
     else:
-        for _ in range(12):
+        for _ in range(MAX_SCAN):
             hi, lo = lo, lo / SCAN
             if judge(lo).attainment >= target:
                 break
@@ -209,7 +215,8 @@ def search(problem: Problem, space: SearchSpace, jobs: int = 1) -> list[Predicti
         (problem, layout, knobs) for layout, knobs in space.candidates(tuple(problem.profiles))
     ]
     if jobs > 1 and len(tasks) > 1:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
+        # spawn: the parent may hold a CUDA context (it just profiled); the workers need none
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
             predictions = list(pool.map(_predict, tasks, chunksize=1))
     else:
         predictions = [_predict(t) for t in tasks]
