@@ -1,25 +1,25 @@
 #!/usr/bin/env bash
 # The pool planner on the GPU machine (the device tool): profile Qwen2.5-7B (dummy weights) on
 # one GPU, plan for 4 GPUs with the serving benchmark's long-prompt and chat workloads and the
-# SLOs of docs/benchmarks.md (issue 9), and validate the top K layouts of each plan through
-# launch_pd.sh with sweep_layouts (predicted against measured). Each step stays under the
+# SLOs of docs/benchmarks.md (issue 9), and validate the top 3 layouts of each plan through
+# launch_pd.sh with sweep_layouts (predicted against measured). Each call stays under the
 # device tool's 10 minutes; run them in order (the profile is cached in $OUT/profiles.json):
-#   bash benchmarks/planner_gpu_suite.sh profile      # ~3-5 min: the profile, and both plans
-#   bash benchmarks/planner_gpu_suite.sh long         # long-prompt plan + validate the top K
-#   bash benchmarks/planner_gpu_suite.sh chat         # chat plan + validate the top K
-#   LAYOUTS="4c 3p1d" bash benchmarks/planner_gpu_suite.sh layouts_long  # then "2p2d 1p3d":
-#                                                     # the best knobs of each layout, measured
-# Each step writes STEP.json (every prediction, the validation rows) and STEP.tgz (sweeps,
-# stack logs) under $OUT and prints its tables last.
-# Knobs (environment): MODEL, VALIDATE_K (3), DURATION (s of arrivals per measured rate, 20),
-# RATES (measured rates as fractions of the predicted goodput, "0.8 1.0 1.2"), CLIENTS, JOBS.
+#   bash benchmarks/planner_gpu_suite.sh profile           # ~4 min: profile, and both plans
+#   bash benchmarks/planner_gpu_suite.sh long:1 long:2     # validate ranks 1 and 2 (long-prompt)
+#   bash benchmarks/planner_gpu_suite.sh long:3 chat:1     # ... rank 3, then chat rank 1
+#   bash benchmarks/planner_gpu_suite.sh chat:2 chat:3
+#   bash benchmarks/planner_gpu_suite.sh layout:4c layout:2p2d   # any layout's best knobs,
+#                                                          # long-prompt (the "best measured")
+# Each step writes STEP.json (every prediction and its validation rows) and STEP.tgz (sweeps,
+# stack logs) under $OUT, and prints the plan's table, its command and predicted against
+# measured last. Knobs (environment): MODEL, DURATION (s of arrivals per measured rate, 20),
+# RATES (measured rates as fractions of the predicted goodput, "0.8 1.0 1.2"), JOBS.
 set -uo pipefail
 OUT=${OUT:-benchmarks/results/planner_suite}
 WORK=$(mktemp -d)
 mkdir -p "$OUT"
 source benchmarks/gpu_env.sh  # PYTHONPATH, carried wheels
 MODEL=${MODEL:-benchmarks/configs/qwen2.5-7b-instruct}
-VALIDATE_K=${VALIDATE_K:-3}
 DURATION=${DURATION:-20}
 RATES=${RATES:-0.8 1.0 1.2}
 JOBS=${JOBS:-0}
@@ -34,12 +34,12 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 plan() {  # plan STEP [pdserve plan args...]
   local step=$1; shift
   # shellcheck disable=SC2086
-  timeout 580 python3 -m pdserve plan "$MODEL" --load-format dummy --devices 4 \
+  timeout 560 python3 -m pdserve plan "$MODEL" --load-format dummy --devices 4 \
     --attainment 0.9 --num-prompts 400 --profile-cache "$OUT/profiles.json" --jobs "$JOBS" \
     --validate-duration "$DURATION" --validate-rates $RATES --validate-out "$WORK/$step" \
     --out "$OUT/$step.json" "$@" >"$WORK/$step.log" 2>&1
   echo "   exit $? ($step)"
-  tail -30 "$WORK/$step.log"
+  tail -32 "$WORK/$step.log"
   tar -C "$WORK" -czf "$OUT/$step.tgz" "$step.log" "$step" 2>/dev/null
 }
 
@@ -47,12 +47,9 @@ for step in $steps; do
   echo "=== $step ($(date +%T))"
   case $step in
     profile) plan plan_long "${LONG[@]}"; plan plan_chat "${CHAT[@]}" ;;
-    long) plan long "${LONG[@]}" --validate "$VALIDATE_K" ;;
-    chat) plan chat "${CHAT[@]}" --validate "$VALIDATE_K" ;;
-    layouts_long)  # the best knobs of each layout of $LAYOUTS (two per call fit 10 minutes)
-      for layout in ${LAYOUTS:-4c 3p1d}; do
-        plan "layout_long_$layout" "${LONG[@]}" --layouts "$layout" --validate 1
-      done ;;
+    long:*) plan "long_${step#*:}" "${LONG[@]}" --validate 1 --validate-from "${step#*:}" ;;
+    chat:*) plan "chat_${step#*:}" "${CHAT[@]}" --validate 1 --validate-from "${step#*:}" ;;
+    layout:*) plan "layout_${step#*:}" "${LONG[@]}" --layouts "${step#*:}" --validate 1 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -207,7 +207,8 @@ def test_validate_launches_two_layouts_and_sets_measured_beside_predicted(planne
     out = tmp / "validated.json"
     argv = ["plan", *TINY_PROFILE, *WORKLOAD, "--slo", "ttft:600000", "tpot:600000",
             "--profile-cache", str(cache), "--out", str(out), "--request-rate", "0.5",
-            "--validate", "2", "--validate-duration", "4", "--validate-out", str(tmp / "v")]  # fmt: skip
+            "--validate", "2", "--validate-duration", "4", "--validate-warmup", "1",
+            "--validate-out", str(tmp / "v")]  # fmt: skip
     threads = torch.get_num_threads()
     try:
         assert main(argv) == 0
@@ -225,3 +226,37 @@ def test_validate_launches_two_layouts_and_sets_measured_beside_predicted(planne
     for layout in ("1p1d", "2c"):
         record = json.loads((tmp / "v" / f"{layout}.json").read_text())
         assert record["layouts"][0]["orphans"] == []
+
+
+def test_the_simulated_workload_is_the_benchmarks_requests_and_arrival_schedule():
+    from benchmarks.loadgen.runner import arrival_offsets
+    from benchmarks.loadgen.workloads import build_workload
+    from pdserve.planner.config import PlanConfig
+    from pdserve.planner.search import at_rate
+    from pdserve.planner.workload import sim_requests, workload_config
+
+    config = PlanConfig(dataset="shared-prefix", num_prompts=30, workload_seed=3, prefix_len=64)
+    requests = sim_requests(config)
+    specs = build_workload(workload_config(config))
+    assert [r.prompt_len for r in requests] == [s.prompt_len for s in specs]
+    assert [r.output_len for r in requests] == [s.output_len for s in specs]
+    assert all(r.group is not None and r.prefix_len == 64 for r in requests)
+    # At rate R the benchmark sends at arrival_offsets(n, R): the planner's rescaled schedule.
+    sent = arrival_offsets(30, 4.0, 1.0, 3)
+    assert [r.arrival for r in at_rate(requests, 4.0)] == pytest.approx(sent)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--slo", "ttft"], "bad SLO"),
+        (["--dataset", "nope"], "unknown dataset"),
+        (["--request-rate", "fast"], "request_rate"),
+        (["--devices", "0"], "devices must be"),
+    ],
+)
+def test_bad_plan_flags_end_with_one_line_and_exit_code_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

@@ -73,10 +73,12 @@ class PlanConfig:
     jobs: int = _f(0, "worker processes for the search (0: one per CPU)")
     top: int = _f(10, "rows of the ranked table")
     validate: int = _f(0, "launch the top K candidates and measure them with the serving benchmark")
+    validate_from: int = _f(1, "with --validate K: start at this rank (K candidates from there)")
     validate_duration: float = _f(20.0, "seconds of arrivals per measured rate")
     validate_rates: tuple[float, ...] = _f(
         (0.6, 0.85, 1.1), "measured rates, as fractions of the predicted one"
     )
+    validate_warmup: int = _f(8, "warm-up requests per launched layout, not measured")
     validate_out: str = _f("benchmarks/results/plan_validate", "where --validate writes its sweeps")
     out: str | None = _f(None, "write every prediction (and validation) as JSON here")
 
@@ -97,6 +99,8 @@ class PlanConfig:
         SLO.parse(self.slo)  # ValueError names a bad objective
         if not SLO.parse(self.slo):
             raise ValueError("give at least one objective, e.g. --slo ttft:1000 tpot:50")
+        if self.validate_from < 1:
+            raise ValueError(f"validate_from must be >= 1, got {self.validate_from}")
         if self.validate < 0 or self.top < 1:
             raise ValueError(f"validate must be >= 0 and top >= 1, got {self.validate}, {self.top}")
 

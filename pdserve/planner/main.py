@@ -59,7 +59,8 @@ def main(args: argparse.Namespace) -> int:
     if config.validate:
         from pdserve.planner import validate
 
-        top = [p for p in predictions if p.goodput > 0][: config.validate]
+        first = config.validate_from - 1
+        top = [p for p in predictions if p.goodput > 0][first : first + config.validate]
         flags = [knob_flags(p.layout, p.knobs) + _user_flags(p, setup) for p in top]
         measured = validate.measure(top, config, setup.model, flags, setup.gpu, setup.transport)
         print("\n" + validate.table(measured))

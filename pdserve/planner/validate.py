@@ -71,6 +71,7 @@ def _sweep_args(prediction, config, model, flags, gpu, transport, out_dir):
         "--burstiness", str(config.burstiness), "--seed", str(config.workload_seed),
         "--rates-per-gpu", *[f"{r:.6g}" for r in per_device if r > 0],
         "--points-past-knee", str(len(per_device)), "--give-up-below", "0",
+        "--warmup-requests", str(config.validate_warmup),
         "--out", str(out_dir), "--launch-arg", shlex.join(flags),
     ]  # fmt: skip
     if gpu:
