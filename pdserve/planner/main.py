@@ -52,21 +52,37 @@ def main(args: argparse.Namespace) -> int:
     print(table(predictions, config.top, config.attainment, mode))
     best = predictions[0]
     flags = _launch(best, setup)
-    print(f"\nbest: {best.layout.name} ({best.knobs.describe(best.layout)}), predicted "
-          f"{best.goodput_per_device:.3f} req/s per device\n{serve_command(setup.model, flags)}")  # fmt: skip
+    if best.goodput > 0 and best.attainment >= config.attainment:
+        head = f"best: {best.layout.name} ({best.knobs.describe(best.layout)}), predicted "
+        head += f"{best.goodput_per_device:.3f} req/s per device"
+    else:
+        head = f"no candidate meets the SLO for {config.attainment:.0%} of requests; the closest"
+    print(f"\n{head}\n{serve_command(setup.model, flags)}")
     print("(scripts/launch_pd.sh takes the same flags)")
     measured = []
     if config.validate:
         from pdserve.planner import validate
 
         first = config.validate_from - 1
-        top = [p for p in predictions if p.goodput > 0][first : first + config.validate]
+        top = best_per_layout(predictions)[first : first + config.validate]
         flags = [knob_flags(p.layout, p.knobs) + _user_flags(p, setup) for p in top]
         measured = validate.measure(top, config, setup.model, flags, setup.gpu, setup.transport)
         print("\n" + validate.table(measured))
     if config.out:
         _write(Path(config.out), config, predictions, measured, setup)
     return 0
+
+
+def best_per_layout(predictions: list[Prediction]) -> list[Prediction]:
+    """The best-ranked knobs of each layout with a goodput, in rank order: what --validate
+    launches (K layouts, not K knob settings of one layout)."""
+    seen: set[Layout] = set()
+    out = []
+    for p in predictions:
+        if p.goodput > 0 and p.layout not in seen:
+            seen.add(p.layout)
+            out.append(p)
+    return out
 
 
 def _setup(args: argparse.Namespace, options: dict[str, dict[str, Any]]) -> Setup:

@@ -92,9 +92,10 @@ def profiling_config(config: EngineConfig, grid: ProfileGrid) -> EngineConfig:
 
 class Profiler:
     def __init__(
-        self, config: EngineConfig, grid: ProfileGrid, log: Callable[[str], None] = print
+        self, config: EngineConfig, grid: ProfileGrid, log: Callable[[str], None] | None = None
     ) -> None:
-        self.grid, self.log = grid, log
+        self.grid = grid
+        self.log = log or (lambda line: print(line, flush=True))
         self.config = profiling_config(config, grid)
         self.worker = Worker(self.config)
         self.rng = random.Random(0)

@@ -90,7 +90,10 @@ def _measured(prediction: Prediction, record: dict[str, Any], config: PlanConfig
         per_device = points[0]["goodput_per_gpu"]
     else:
         per_device = best["per_gpu"]
-    near = min(points, key=lambda p: abs(p["rate"] - prediction.rate), default=None)
+    # A point that stopped early has percentiles of the few requests that finished: prefer
+    # the complete ones.
+    complete = [p for p in points if not p["stopped_early"]] or points
+    near = min(complete, key=lambda p: abs(p["rate"] - prediction.rate), default=None)
     summary = near["summary"] if near else {}
     return Measured(
         prediction, per_device, best["bound"],
@@ -101,8 +104,8 @@ def _measured(prediction: Prediction, record: dict[str, Any], config: PlanConfig
 
 def table(measured: Sequence[Measured]) -> str:
     lines = [
-        "predicted against measured (goodput per device, req/s; p90 at the measured rate nearest "
-        "the predicted one)",
+        "predicted against measured (goodput per device, req/s; measured p90 at the complete "
+        "point nearest the predicted rate)",
         f"{'layout':<10} {'knobs':<34} {'goodput pred':>12} {'measured':>12} {'TTFT p90 pred/meas':>20} "
         f"{'TPOT p90 pred/meas':>20}",
     ]
