@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import shlex
+from dataclasses import replace
 
 import pytest
 import torch
@@ -27,7 +28,15 @@ from pdserve.planner.profile import (
     ProfileKey,
 )
 from pdserve.planner.report import launch_args, serve_command, user_engine_flags
-from pdserve.planner.search import Objective, Problem, SearchSpace, SimParams, max_rate, search
+from pdserve.planner.search import (
+    ROUTER_MAX_UTILIZATION,
+    Objective,
+    Problem,
+    SearchSpace,
+    SimParams,
+    max_rate,
+    search,
+)
 from pdserve.planner.simulator import SimRequest
 
 TINY_PROFILE = [
@@ -122,6 +131,18 @@ def test_search_ranks_passing_candidates_by_goodput_per_device_with_their_percen
     assert best.attainment >= 0.9
     assert best.ttft_ms["p50"] <= best.ttft_ms["p90"] <= best.ttft_ms["p99"]
     assert best.ttft_ms["p50"] <= 3000 and best.tpot_ms["p50"] <= 50
+
+
+def test_a_router_that_cannot_stream_the_tokens_caps_the_goodput():
+    space = SearchSpace(4, prefill_tokens=(2048,), decode_seqs=(128,), colocated_tokens=(1024,))
+    (layout, knobs), *_ = space.candidates((1,))
+    free = problem(["ttft:3000", "tpot:50"])
+    slow_router = replace(free, params=replace(free.params, router_s_per_token=1e-3))
+    unbounded = max_rate(free, layout, knobs).goodput
+    mean_output = sum(r.output_len for r in free.requests) / len(free.requests)
+    cap = ROUTER_MAX_UTILIZATION / (mean_output * 1e-3)  # requests/s the router can stream
+    assert unbounded > cap
+    assert max_rate(slow_router, layout, knobs).goodput <= cap
 
 
 def parse_serve(command: str):

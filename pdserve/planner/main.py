@@ -155,6 +155,7 @@ def _problem(config: PlanConfig, setup: Setup, profiles: dict[int, Profile]) -> 
         config.decode_policy, config.prefill_policy,
         setup.options["decode"].get("kv_growth_headroom", 0.1),
         setup.options["prefill"].get("max_num_seqs", 128), kv_blocks,
+        config.router_us_per_token / 1e6,
     )  # fmt: skip
     objective = Objective(SLO.parse(config.slo), config.attainment, config.rate)
     return Problem(profiles, sim_requests(config, _tokenizer(setup)), objective, params)

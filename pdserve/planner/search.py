@@ -64,6 +64,13 @@ class SimParams:
     kv_growth_headroom: float = 0.1
     prefill_max_num_seqs: int = 128
     kv_blocks: int | None = None  # fixed pool size per node (--num-kv-blocks and the like)
+    # The router is one process that streams every token (issue 9: it saturated near 8,000
+    # tokens/s on the H200 host). A rate that keeps it busier than ROUTER_MAX_UTILIZATION
+    # fails, whatever the nodes could do. 0: not modelled.
+    router_s_per_token: float = 0.0
+
+
+ROUTER_MAX_UTILIZATION = 0.85
 
 
 @dataclass(frozen=True)
@@ -149,8 +156,17 @@ def evaluate(problem: Problem, layout: Layout, knobs: Knobs, rate: float) -> Pre
     config = sim_config(problem, layout, knobs)
     result = simulate(config, at_rate(problem.requests, rate))
     good, ttft, tpot = score(result, problem.objective.slo)
+    if router_utilization(problem, rate) > ROUTER_MAX_UTILIZATION:
+        good = 0  # the router falls behind: streams stall and every latency grows without bound
     n = len(problem.requests)
     return Prediction(layout, knobs, rate, good / max(result.duration, 1e-9), good / n, ttft, tpot)
+
+
+def router_utilization(problem: Problem, rate: float) -> float:
+    """The router's busy fraction streaming the workload's tokens at `rate` requests/s."""
+    reqs = problem.requests
+    tokens_per_request = sum(r.output_len for r in reqs) / len(reqs)
+    return rate * tokens_per_request * problem.params.router_s_per_token
 
 
 def max_rate(problem: Problem, layout: Layout, knobs: Knobs) -> Prediction:
