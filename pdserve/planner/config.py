@@ -65,7 +65,7 @@ class PlanConfig:
     transfer_latency_ms: float = _f(1.0, "fixed cost of one KV transfer")
     overhead_ms: float = _f(5.0, "router, sockets and HTTP per request, added to TTFT")
     router_us_per_token: float = _f(
-        100.0, "router CPU per streamed token: a rate that keeps it >85% busy fails (0: off)"
+        80.0, "router CPU per streamed token: a rate that keeps it >85% busy fails (0: off)"
     )
     prefill_policy: str = _f(
         "least_load", "router policy simulated", choices=("least_load", "round_robin")
