@@ -104,6 +104,14 @@ class EngineConfig:
             "choices": ("auto", "torch", "triton", "flash_attn"),
         },
     )
+    tp: int = field(
+        default=1,
+        metadata={
+            "help": "tensor-parallel ranks of a node, one process and one device each (rank 0 "
+            "is the node; --device cuda:A,B,... names one GPU per rank); per pool: "
+            "--prefill-tp, --decode-tp"
+        },
+    )
     enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs"})
     prefill_graph_max_tokens: int = field(
         default=1024,
@@ -120,6 +128,10 @@ class EngineConfig:
             "behind (--no-overlap-scheduling: the synchronous loop, for comparison)"
         },
     )
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:

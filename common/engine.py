@@ -61,6 +61,10 @@ class LLMEngine:
         self.sequences.pop(request_id, None)
         return seq
 
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (idempotent)."""
+        self.worker.close()
+
     def has_unfinished(self) -> bool:
         return self.core.has_work()
 

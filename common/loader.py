@@ -18,11 +18,14 @@ from pathlib import Path
 
 import torch
 
+from common.distributed import TPGroup
 from common.embedded import embedded_gguf_path
 from common.gguf_cache import materialize_gguf
 from common.hub import ModelNotFound, cached_snapshot, looks_like_hub_id
 from common.model_spec import ModelSpec
 from common.models.llama import STACKED_PARAMS, LlamaForCausalLM
+from common.parallel import TPLayout, rank_spec
+from common.sharding import Sharder, dummy_full_tensors
 
 log = logging.getLogger(__name__)
 
@@ -91,23 +94,31 @@ def build_model(
     device: torch.device,
     load_format: str = "auto",
     seed: int = 0,
+    tp: TPGroup | None = None,
 ) -> LlamaForCausalLM:
+    """The model of `spec` (the full model's) for rank `tp.rank` of `tp.size`: built from the
+    rank's spec, its weights cut from the full checkpoint (or full dummy tensors)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    tp = tp or TPGroup.single()
+    layout = TPLayout.of(spec, tp.size)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(spec, max_positions)
+            model = LlamaForCausalLM(rank_spec(spec, layout), max_positions, tp)
     finally:
         torch.set_default_dtype(previous)
     if torch.device(device).type == "meta":
         return model.eval()  # shapes only, no memory: for sizing a model (parameter counts)
+    shard = Sharder(spec, layout, tp.rank)
     with torch.no_grad():
-        if load_format == "dummy":
+        if load_format == "dummy" and tp.size == 1:
             fill_dummy_weights(model, seed)
+        elif load_format == "dummy":
+            load_weights(model, dummy_full_tensors(spec, max_positions, seed, dtype, device), shard)
         else:
-            load_weights(model, iter_safetensors(source.directory))
+            load_weights(model, iter_safetensors(source.directory), shard)
     return model.eval()
 
 
@@ -156,8 +167,13 @@ class _Progress:
             )
 
 
-def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy checkpoint tensors into our parameters, splicing q/k/v and gate/up into fused ones."""
+def load_weights(
+    model: LlamaForCausalLM,
+    weights: Iterator[tuple[str, torch.Tensor]],
+    shard: Sharder | None = None,
+) -> None:
+    """Copy checkpoint tensors into our parameters, splicing q/k/v and gate/up into fused ones;
+    `shard` cuts this rank's slice out of each full tensor first."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for name, tensor in weights:
@@ -165,19 +181,21 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
             continue
         if name == "lm_head.weight" and model.spec.tie_word_embeddings:
             continue
-        target, shard = _fused_target(name)
+        target, part = _fused_target(name)
         if target not in params:
             raise ValueError(
                 f"checkpoint tensor {name!r} has no place in {model.spec.architecture}"
             )
         param = params[target]
-        if shard is None:
+        if shard is not None:
+            tensor = shard(name, tensor)
+        if part is None:
             _copy(param, tensor, name)
         else:
             module = model.get_submodule(target.rsplit(".", 2)[0])
             sizes = module.shard_sizes()
-            start = sum(sizes[:shard])
-            _copy(param.narrow(0, start, sizes[shard]), tensor, name)
+            start = sum(sizes[:part])
+            _copy(param.narrow(0, start, sizes[part]), tensor, name)
         loaded.add(target)
     missing = {n for n in params if n not in loaded}
     if model.spec.tie_word_embeddings:

@@ -7,12 +7,17 @@ non-blocking device-to-host copy plus an event bring them to the host for `StepH
 
 Decode-only batches replay a captured CUDA graph when one is available (`common.cuda_graphs`);
 everything else (prefill, chunks, mixed batches) runs eagerly.
+
+Tensor parallel (`common.tp_link`): rank 0's runner has a `link` and broadcasts each step's
+`HostInputs` before running it and its sampled ids after; the other ranks call `follow` with
+what they received and run the same forward, without sampling.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +30,11 @@ from common.prefill_graphs import PrefillGraphs
 from common.sampler import SampledRows, Sampler, SamplingInputs, SamplingPlan, host_output
 from common.scheduler import SampledToken, ScheduledBatch
 from common.sequence import PLACEHOLDER
+
+if TYPE_CHECKING:
+    from common.tp_link import StepDriver
+
+Fill = tuple[torch.Tensor, torch.Tensor] | None  # (token positions, device ids) to overwrite
 
 
 @dataclass
@@ -131,6 +141,7 @@ class ModelRunner:
         self.logits_processors: LogitsProcessors | None = None
         self._k_caches = kv_cache.k_caches
         self._v_caches = kv_cache.v_caches
+        self.link: StepDriver | None = None  # rank 0 of several: drives the other ranks
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> int:
         """Capture decode graphs (on CPU: set up their buffers, replays run eagerly); returns
@@ -229,29 +240,10 @@ class ModelRunner:
         fill = None
         if h.fill_at:
             assert prev is not None and prev.token_ids is not None
-            at = self._tensor(h.fill_at, torch.int64)
-            fill = (at, prev.token_ids.index_select(0, self._tensor(h.fill_from, torch.int64)))
-        if (
-            self.graphs is not None
-            and on_layer_done is None
-            and h.is_decode_only
-            and self.graphs.fits(len(h.input_ids))
-        ):
-            handle.replay = self.graphs.launch(
-                h.input_ids, h.positions, h.slots, h.seq_lens, h.block_tables, h.row_keys, fill
-            )
-            logits = handle.replay.output
-        elif (
-            self.prefill_graphs is not None
-            and not h.is_decode_only
-            and self.prefill_graphs.fits(len(h.input_ids))
-        ):
-            handle.replay = self.prefill_graphs.launch(
-                h.input_ids, h.positions, self.metadata(h), fill, on_layer_done
-            )
-            logits = self._logits(h, handle.replay.output)
-        else:
-            logits = self._eager(h, fill, on_layer_done)
+            fill = self._fill(h, prev.token_ids)
+        if self.link is not None:
+            self.link.send_step(h, int(on_layer_done is not None))
+        handle.replay, logits = self._forward(h, fill, on_layer_done)
         try:
             self._sample(handle, batch, logits)
         except BaseException:
@@ -260,7 +252,53 @@ class ModelRunner:
                     torch.cuda.synchronize(self.device)
                 handle.replay.release()
             raise
+        finally:
+            if self.link is not None:
+                self.link.send_ids(handle.token_ids, len(h.sample_rows))
         return handle
+
+    @torch.inference_mode()
+    def follow(
+        self,
+        h: HostInputs,
+        prev_ids: torch.Tensor | None,
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> Replay | None:
+        """A rank > 0: run the forward rank 0 announced (`prev_ids`: the previous step's
+        sampled ids, for placeholder tokens). The caller releases the returned replay's
+        staging slot once the step has run."""
+        fill = self._fill(h, prev_ids) if h.fill_at else None
+        replay, _ = self._forward(h, fill, on_layer_done)
+        return replay
+
+    def _fill(self, h: HostInputs, prev_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        at = self._tensor(h.fill_at, torch.int64)
+        return at, prev_ids.index_select(0, self._tensor(h.fill_from, torch.int64))
+
+    def _forward(
+        self, h: HostInputs, fill: Fill, on_layer_done: Callable[[int], None] | None
+    ) -> tuple[Replay | None, torch.Tensor | None]:
+        """(the replay whose staging slot the step uses, or None; the sampling rows' logits)."""
+        if (
+            self.graphs is not None
+            and on_layer_done is None
+            and h.is_decode_only
+            and self.graphs.fits(len(h.input_ids))
+        ):
+            replay = self.graphs.launch(
+                h.input_ids, h.positions, h.slots, h.seq_lens, h.block_tables, h.row_keys, fill
+            )
+            return replay, replay.output
+        if (
+            self.prefill_graphs is not None
+            and not h.is_decode_only
+            and self.prefill_graphs.fits(len(h.input_ids))
+        ):
+            replay = self.prefill_graphs.launch(
+                h.input_ids, h.positions, self.metadata(h), fill, on_layer_done
+            )
+            return replay, self._logits(h, replay.output)
+        return None, self._eager(h, fill, on_layer_done)
 
     def _sample(self, handle: StepHandle, batch: ScheduledBatch, logits) -> None:
         if handle.sample_rows:

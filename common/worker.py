@@ -2,11 +2,17 @@
 
 Built once per engine process (colocated engine, prefill node, decode node). Values found here
 at run time go to `RuntimeInfo`; the frozen `EngineConfig` is never modified.
+
+With `tp > 1` the Worker of rank 0 (the node's own process) starts the other ranks
+(`common.tp_ranks`), each of which builds the same Worker for its rank and then `follow`s
+rank 0's steps. Every rank holds its slice of the weights and a KV pool of its KV heads, with
+the same number of blocks on every rank (the smallest any rank can hold).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,15 +23,20 @@ from common.attention import create_backend
 from common.attention.selection import choose_backend
 from common.block_allocator import BlockAllocator
 from common.config import EngineConfig
+from common.cuda_graphs import STAGING_DEPTH
+from common.distributed import TPGroup
 from common.kv_cache import DEFAULT_CPU_KV_BYTES, KVCache, gpu_kv_budget, num_blocks_for_budget
 from common.loader import ModelSource, build_model, read_spec, resolve_model
 from common.logits_processors import LogitsProcessors
 from common.memory_probe import graph_margin, step_peak_bytes
 from common.model_runner import ModelRunner
 from common.model_spec import ModelSpec
+from common.parallel import TPLayout, rank_spec
 from common.sampling_params import SamplingParams
 from common.sequence import Sequence
 from common.tokenizer import load_tokenizer
+from common.tp_link import StepDriver, StepFollower
+from common.tp_ranks import RankProcesses
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +59,19 @@ class RuntimeInfo:
     prefill_graph_buckets: tuple[int, ...] = ()  # token counts of the prefill/mixed graphs
     prefill_graph_bytes: int = 0
     weight_bytes: int = 0
+    tp: int = 1
 
 
-def pick_device(name: str) -> torch.device:
+def pick_device(name: str, rank: int = 0, tp: int = 1) -> torch.device:
+    """`rank`'s device: `cuda:A,B,...` names one GPU per rank; with several ranks `cuda` (or
+    `auto` with a GPU) means GPUs 0..tp-1."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and tp > 1:
+        ids = name.partition(":")[2].split(",") if ":" in name else [str(r) for r in range(tp)]
+        if len(ids) != tp:
+            raise ValueError(f"device {name!r} must name one GPU per rank (tp={tp}): cuda:A,B,...")
+        name = f"cuda:{ids[rank]}"
     device = torch.device(name)
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -71,10 +90,11 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, init_method: str | None = None) -> None:
+        """Rank 0 (the default) starts the other ranks; rank r > 0 joins at `init_method`."""
         self.config = config
         mc, cc = config.model, config.cache
-        self.device = pick_device(mc.device)
+        self.device = pick_device(mc.device, rank, config.tp)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = pick_dtype(mc.dtype, self.device)
@@ -82,6 +102,14 @@ class Worker:
             mc.model, dtype=str(self.dtype).removeprefix("torch.")
         )
         self.spec: ModelSpec = read_spec(self.source)
+        TPLayout.of(self.spec, config.tp)  # a TP size the model cannot split fails here
+        self.ranks = RankProcesses(config) if config.tp > 1 and rank == 0 else None
+        self.tp = TPGroup.single()
+        if config.tp > 1:
+            address = self.ranks.init_method if self.ranks else init_method
+            self.tp = TPGroup.init(rank, config.tp, address, self.device)
+        # This rank's heads, KV heads and MLP slice: what its layers and KV pool hold.
+        self.rank_spec = rank_spec(self.spec, self.tp.layout(self.spec))
         max_len = mc.max_model_len or self.spec.max_position_embeddings
         if not config.scheduler.enable_chunked_prefill:
             # An unsplittable prompt (or a preempted sequence's recompute) must fit one step.
@@ -97,18 +125,21 @@ class Worker:
             device=self.device,
             load_format=mc.load_format,
             seed=mc.seed,
+            tp=self.tp,
         )
         self.tokenizer = load_tokenizer(self.source.directory)
         backend_name, why = choose_backend(config.attention_backend, self.device, cc.block_size)
         log.info("attention backend: %s (%s)", backend_name, why)
         self.backend = create_backend(backend_name)
         self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
-        num_blocks = self._size_kv_cache(max_len)
+        num_blocks = self.tp.min_int(self._size_kv_cache(max_len))
         self.kv_cache = KVCache.allocate(
-            self.spec, num_blocks, cc.block_size, self.dtype, self.device
+            self.rank_spec, num_blocks, cc.block_size, self.dtype, self.device
         )
         self.allocator = BlockAllocator(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device)
+        if self.tp.size > 1 and self.tp.is_driver:
+            self.runner.link = StepDriver(self.tp, self.device)
         self.runner.logits_processors = LogitsProcessors(
             self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids
         )
@@ -135,8 +166,45 @@ class Worker:
             prefill_graph_buckets=tuple(prefill.buckets) if prefill else (),
             prefill_graph_bytes=prefill_graph_bytes,
             weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            tp=self.tp.size,
         )
-        log.info("worker ready: %s", self.runtime)
+        log.info("worker ready (rank %d of %d): %s", self.tp.rank, self.tp.size, self.runtime)
+
+    def follow(self) -> None:
+        """A rank > 0: run rank 0's steps until it says stop. Like rank 0, it keeps one step in
+        flight: a replay's staging slot is given back once the step after it was queued and
+        the replayed step has finished (an event)."""
+        follower = StepFollower(self.tp, self.device)
+        prev_ids = None
+        pending: deque[tuple[Any, torch.cuda.Event | None]] = deque()
+        while (step := follower.receive()) is not None:
+            h, _flags = step
+            while len(pending) >= STAGING_DEPTH:
+                replay, done = pending.popleft()
+                if done is not None:
+                    done.synchronize()
+                replay.release()
+            replay = self.runner.follow(h, prev_ids)
+            prev_ids = follower.receive_ids(len(h.sample_rows))
+            if replay is not None:
+                done = torch.cuda.Event() if self.device.type == "cuda" else None
+                if done is not None:
+                    done.record()
+                pending.append((replay, done))
+        for replay, done in pending:
+            if done is not None:
+                done.synchronize()
+            replay.release()
+
+    def close(self) -> None:
+        """Rank 0: stop the other ranks (they return from `follow`), then leave the group."""
+        if self.runner.link is not None:
+            self.runner.link.stop()
+            self.runner.link = None
+        if self.ranks is not None:
+            self.ranks.stop()
+            self.ranks = None
+        self.tp.close()
 
     def new_sequence(self, request_id: str, prompt: Any, params: SamplingParams) -> Sequence:
         """A validated Sequence for this process: ValueError (with the offending values) for an
@@ -185,7 +253,7 @@ class Worker:
                 budget -= self._graph_bytes()
         else:
             budget = DEFAULT_CPU_KV_BYTES
-        return num_blocks_for_budget(self.spec, cc.block_size, self.dtype, budget)
+        return num_blocks_for_budget(self.rank_spec, cc.block_size, self.dtype, budget)
 
     def _graph_bytes(self) -> int:
         """What the captured graphs will hold, from eager steps of their largest shapes: the

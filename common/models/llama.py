@@ -4,6 +4,12 @@ Variants differ only by flags in `ModelSpec`: QKV bias (Qwen2), per-head q/k RMS
 llama3 rope scaling, tied embeddings. Q/K/V and gate/up are fused into single matmuls; the
 loader splices the checkpoint's separate tensors into them (`STACKED_PARAMS`).
 The model sees attention only through `ForwardContext`; it never imports a backend.
+
+Tensor parallelism (`common.parallel`): the model is built from one rank's `ModelSpec`
+(`rank_spec`: its heads, KV heads and MLP slice) and a `TPGroup`. o_proj and down_proj are
+row-parallel and all-reduce their partial sums; the embedding and the LM head are
+vocab-parallel (`VocabParallelEmbedding`, `ParallelLMHead`). With one rank the collectives are
+no-ops and the model is the plain one.
 """
 
 from __future__ import annotations
@@ -12,8 +18,10 @@ import torch
 from torch import nn
 
 from common.attention.base import ForwardContext
+from common.distributed import TPGroup
 from common.model_spec import ModelSpec
 from common.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from common.models.parallel_layers import ParallelLMHead, VocabParallelEmbedding
 
 # (our fused parameter, checkpoint parameter, shard index within the fused one)
 STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
@@ -26,9 +34,9 @@ STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer: int) -> None:
+    def __init__(self, spec: ModelSpec, layer: int, tp: TPGroup) -> None:
         super().__init__()
-        self.layer = layer
+        self.layer, self.tp = layer, tp
         self.num_heads, self.num_kv_heads, self.head_dim = (
             spec.num_heads,
             spec.num_kv_heads,
@@ -58,12 +66,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         out = ctx.attention(self.layer, q, k, v)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, tp: TPGroup) -> None:
         super().__init__()
+        self.tp = tp
         self.intermediate_size = spec.intermediate_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
@@ -72,14 +81,14 @@ class MLP(nn.Module):
         return [self.intermediate_size, self.intermediate_size]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer: int) -> None:
+    def __init__(self, spec: ModelSpec, layer: int, tp: TPGroup) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, layer)
-        self.mlp = MLP(spec)
+        self.self_attn = Attention(spec, layer, tp)
+        self.mlp = MLP(spec, tp)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -95,10 +104,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: ModelSpec, max_positions: int) -> None:
+    def __init__(self, spec: ModelSpec, max_positions: int, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, tp) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope)
 
@@ -112,13 +121,16 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """`forward` returns final hidden states for every token; `compute_logits` projects rows."""
+    """`forward` returns final hidden states for every token; `compute_logits` projects rows.
 
-    def __init__(self, spec: ModelSpec, max_positions: int) -> None:
+    `spec` is this rank's (`common.parallel.rank_spec`); `tp` the node's ranks (default: one)."""
+
+    def __init__(self, spec: ModelSpec, max_positions: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.spec = spec
-        self.model = LlamaModel(spec, max_positions)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.tp = tp = tp or TPGroup.single()
+        self.model = LlamaModel(spec, max_positions, tp)
+        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -127,10 +139,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits of `hidden`'s rows, written into `out` ([rows, vocab] float32) when
-        given: captured graphs of every size share one output buffer."""
-        if out is None:
-            return self.lm_head(hidden).float()
-        weight = self.lm_head.weight
-        if weight.dtype == torch.float32:
-            return torch.mm(hidden, weight.t(), out=out)
-        return out.copy_(self.lm_head(hidden))  # the cast is the copy
+        given: captured graphs of every size share one output buffer. Every rank calls it:
+        with several ranks each projects its vocabulary rows and the logits are gathered."""
+        return self.lm_head.compute_logits(hidden, out)

@@ -1,0 +1,90 @@
+"""Tensor parallelism inside one process group of real rank processes (gloo, CPU, fp32):
+greedy output at TP 2 and TP 4 equals TP 1 and HF transformers `generate()`.
+
+The tiny Llama has 4 query heads and 2 KV heads, so TP 2 splits the KV heads and TP 4
+replicates each on two ranks; its vocabulary (387) divides by neither, so the last rank's
+embedding and LM head rows are padded. Each `LLM(tp=n)` starts n - 1 rank processes (rank 0
+is this process), drives them step by step and stops them on `close()`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from common import LLM, SamplingParams
+from tests.hf_oracle import hf_greedy
+
+COMMON = dict(
+    vocab_size=387,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.25,
+)
+NEW_TOKENS = 10
+OPTIONS = dict(device="cpu", block_size=16, max_num_batched_tokens=256, num_kv_blocks=64)
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 387, (n,), generator=g).tolist() for n in (1, 17, 40)]
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def generate(model: str, tp: int, **options) -> list[list[int]]:
+    with LLM(model, tp=tp, **{**OPTIONS, **options}) as llm:
+        return [out.token_ids for out in llm.generate(prompts(), greedy())]
+
+
+def save(config, folder) -> torch.nn.Module:
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    hf.save_pretrained(folder)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tp_llama")
+    hf = save(LlamaConfig(**COMMON, tie_word_embeddings=False), folder)
+    expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts()]
+    return str(folder), expected
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_greedy_at_tp_n_equals_hf(llama, tp):
+    """TP 4: two ranks hold each KV head; both decode steps and prefill chunks run sharded,
+    and the overlapped loop fills placeholder tokens from the ids rank 0 broadcasts."""
+    folder, expected = llama
+    assert generate(folder, tp) == expected
+
+
+def test_qwen2_with_qkv_bias_and_tied_embeddings_at_tp2_equals_hf(tmp_path):
+    hf = save(Qwen2Config(**COMMON, tie_word_embeddings=True), tmp_path)
+    expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts()]
+    assert generate(str(tmp_path), 2, max_num_batched_tokens=32) == expected  # chunked
+
+
+def test_dummy_weights_at_tp2_equal_tp1(llama, tmp_path):
+    """Dummy weights are drawn at full size in single-rank order, then sharded."""
+    folder, _ = llama
+    config = json.loads(open(f"{folder}/config.json").read())
+    (tmp_path / "config.json").write_text(json.dumps(config))  # a config alone, no weights
+    one = generate(str(tmp_path), 1, load_format="dummy", seed=7)
+    assert generate(str(tmp_path), 2, load_format="dummy", seed=7) == one
+
+
+def test_tp_size_the_model_cannot_split_is_refused_before_any_rank_starts(llama):
+    folder, _ = llama
+    with pytest.raises(ValueError, match="tp=3 does not divide num_heads=4"):
+        LLM(folder, tp=3, **OPTIONS)

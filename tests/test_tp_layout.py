@@ -1,0 +1,74 @@
+"""Which slice each tensor-parallel rank holds (`common.parallel`, `common.sharding`): pure
+arithmetic and tensor slicing, no processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.model_spec import ModelSpec, RopeSpec
+from common.parallel import TPLayout, rank_spec
+from common.sharding import Sharder, unfuse
+
+SPEC = ModelSpec(
+    architecture="LlamaForCausalLM", vocab_size=387, hidden_size=64, intermediate_size=128,
+    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
+    rope=RopeSpec(theta=10000.0), max_position_embeddings=512, tie_word_embeddings=False,
+    qkv_bias=True, qk_norm=False, sliding_window=None, eos_token_ids=(2,),
+)  # fmt: skip
+
+
+def test_kv_heads_are_split_then_replicated_when_fewer_than_ranks():
+    two, four = TPLayout.of(SPEC, 2), TPLayout.of(SPEC, 4)
+    assert [list(two.kv_heads(r)) for r in range(2)] == [[0], [1]]
+    assert [list(four.kv_heads(r)) for r in range(4)] == [[0], [0], [1], [1]]
+    assert four.kv_head_owners(1) == [2, 3]
+    # every rank's query heads read the KV head it holds (GQA: 2 query heads per KV head)
+    for r in range(4):
+        assert {q // 2 for q in four.q_heads(r)} == set(four.kv_heads(r))
+
+
+def test_layout_refuses_tp_sizes_the_model_cannot_split():
+    with pytest.raises(ValueError, match="num_heads=4"):
+        TPLayout.of(SPEC, 3)
+    with pytest.raises(ValueError, match="num_kv_heads=3"):
+        TPLayout(8, 24, 3, 128, 387)
+    with pytest.raises(ValueError, match="tp must be >= 1"):
+        TPLayout.of(SPEC, 0)
+
+
+def test_vocab_rows_cover_the_vocabulary_once_with_the_last_rank_padded():
+    layout = TPLayout.of(SPEC, 4)
+    rows = [list(layout.vocab(r)) for r in range(4)]
+    assert sum(rows, []) == list(range(387))
+    assert layout.vocab_per_rank == 97 and len(rows[-1]) == 96
+
+
+def test_rank_spec_holds_one_ranks_heads_and_mlp_slice_and_the_whole_vocabulary():
+    spec = rank_spec(SPEC, TPLayout.of(SPEC, 4))
+    assert (spec.num_heads, spec.num_kv_heads, spec.intermediate_size) == (1, 1, 32)
+    assert spec.vocab_size == 387 and spec.head_dim == 16
+    assert rank_spec(SPEC, TPLayout.of(SPEC, 1)) is SPEC
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_rank_slices_reassemble_the_full_tensors(tp):
+    layout = TPLayout.of(SPEC, tp)
+    shards = [Sharder(SPEC, layout, r) for r in range(tp)]
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(SPEC.q_size + 2 * SPEC.kv_size, 64, generator=g)
+    parts = dict(unfuse("model.layers.0.self_attn.qkv_proj.weight", qkv, SPEC))
+    q = parts["model.layers.0.self_attn.q_proj.weight"]
+    k = parts["model.layers.0.self_attn.k_proj.weight"]
+    assert torch.equal(torch.cat([s("x.q_proj.weight", q) for s in shards]), q)
+    # k: each rank holds the rows of its KV head (replicated ranks hold the same rows)
+    for r, s in enumerate(shards):
+        heads = layout.kv_heads(r)
+        assert torch.equal(s("x.k_proj.weight", k), k[heads.start * 16 : heads.stop * 16])
+    down = torch.randn(64, 128, generator=g)
+    assert torch.equal(torch.cat([s("x.down_proj.weight", down) for s in shards], dim=1), down)
+    embed = torch.randn(387, 64, generator=g)
+    rows = torch.cat([s("model.embed_tokens.weight", embed) for s in shards])
+    assert torch.equal(rows[:387], embed) and not rows[387:].any()  # zero padding rows
+    norm = torch.randn(64, generator=g)
+    assert all(s("model.norm.weight", norm) is norm for s in shards)
