@@ -109,6 +109,7 @@ class DecodeNode:
             if self.receiver is not None:
                 self.receiver.close()
             self.channel.close()
+            self.worker.close()  # stops its tensor-parallel ranks
 
     def stop(self) -> None:
         self.lifecycle.stop()

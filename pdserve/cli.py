@@ -38,7 +38,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return USAGE_ERROR
     from pdserve.launcher import Launcher
 
-    return Launcher(plan(configs, str(source.directory), source.name, gpus)).run()
+    try:
+        layout = plan(configs, str(source.directory), source.name, gpus)
+    except ValueError as exc:  # not enough GPUs for the pools' tensor-parallel ranks
+        args.serve_parser.error(str(exc))
+    return Launcher(layout).run()
 
 
 def plan_command(args) -> int:

@@ -23,6 +23,7 @@ from common.node_config import NodeConfig
 from router.config import RouterConfig, add_router_args
 
 POOLS = ("prefill", "decode")
+SHOWN_PER_POOL = {"tp"}  # --prefill-tp / --decode-tp are listed in --help
 NODE_ONLY = {"control_address", "router_address", "kv_address", "colocated", "model"}
 ROUTER_ONLY = {
     "model", "served_model_name", "host", "port", "prefill", "decode", "events_address", "mode",
@@ -160,7 +161,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         name = f.name.replace("_", "-")
         _add(engine, f"--{name}", f"all__{f.name}", hint, f, hidden=False)
         for pool in POOLS:
-            _add(engine, f"--{pool}-{name}", f"{pool}__{f.name}", hint, f, hidden=True)
+            hidden = f.name not in SHOWN_PER_POOL
+            _add(engine, f"--{pool}-{name}", f"{pool}__{f.name}", hint, f, hidden=hidden)
 
 
 def _add_plan_parser(commands: Any) -> None:

@@ -90,7 +90,8 @@ class Launcher:
         if cpu_only and "OMP_NUM_THREADS" not in env:
             # CPU nodes share the cores: without this each process would start one torch
             # thread per core and they would fight (measured: 3x slower prefill).
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(self.plan.nodes)))
+            ranks = sum(n.ranks for n in self.plan.nodes)  # tensor-parallel ranks count too
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // ranks))
         for node in self.plan.nodes:
             self.procs.append((node.name, subprocess.Popen(node.argv, env=env)))
             self.started_at[node.name] = time.monotonic()
@@ -191,8 +192,10 @@ def node_summary(node: NodeProcess, report: dict[str, Any]) -> str:
         return f"{node.name}: healthy (no runtime info in its heartbeat)"
     tokens = blocks * size
     weights = info.get("weight_bytes") or 0
+    tp = info.get("tp") or 1
+    ranks = f", tp {tp}" if tp > 1 else ""
     return (
-        f"{node.name} (pid {info.get('pid')}, {info.get('device')}, {info.get('dtype')}): "
+        f"{node.name} (pid {info.get('pid')}, {info.get('device')}{ranks}, {info.get('dtype')}): "
         f"weights {weights / 1e9:.2f} GB; KV {blocks} blocks x {size} = {tokens} tokens; "
         f"max concurrency {tokens / max_len:.1f} requests of {max_len} tokens"
     )

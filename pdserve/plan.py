@@ -40,6 +40,7 @@ class NodeProcess:
     role: str  # prefill | decode | colocated
     address: str  # control address, the node's id in /health
     argv: list[str]
+    ranks: int = 1  # tensor-parallel ranks: the node starts ranks - 1 processes of its own
 
 
 @dataclass(frozen=True)
@@ -104,18 +105,49 @@ def gpu_count() -> int:
     return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
 
 
+def pool_gpus(configs: Configs, gpus: int) -> dict[str, tuple[int, ...]]:
+    """GPU ids of each pool. A node of `--X-tp N` takes N consecutive entries of its pool's
+    list, so a pool of `count` nodes needs N * count entries (ValueError otherwise). Default
+    (no lists, GPUs present): prefill on the first GPUs, decode on the next ones; with one
+    rank per node they are shared round-robin when too few, with several ranks never."""
+    launch = configs.launch
+    tp = {pool: configs.engines[pool].tp for pool in POOLS}
+    count = {"prefill": launch.prefill_count, "decode": launch.num_decode}
+    given = {"prefill": launch.prefill_gpus, "decode": launch.decode_gpus}
+    if gpus and not any(given.values()):
+        need = {pool: tp[pool] * count[pool] for pool in POOLS}
+        if max(tp.values()) > 1 and sum(need.values()) > gpus:
+            raise ValueError(
+                f"{need['prefill']} prefill + {need['decode']} decode GPUs needed "
+                f"(--prefill-tp {tp['prefill']} x {count['prefill']} nodes, --decode-tp "
+                f"{tp['decode']} x {count['decode']} nodes), {gpus} present"
+            )
+        first = need["prefill"]
+        return {
+            "prefill": tuple(range(first)),
+            "decode": tuple((first + j) % gpus for j in range(need["decode"])),
+        }
+    for pool in POOLS:
+        if given[pool] and tp[pool] > 1 and len(given[pool]) < tp[pool] * count[pool]:
+            raise ValueError(
+                f"--{pool}-gpus {','.join(map(str, given[pool]))} names {len(given[pool])} "
+                f"GPUs; {count[pool]} {pool} node(s) of --{pool}-tp {tp[pool]} need "
+                f"{tp[pool] * count[pool]}"
+            )
+    return given
+
+
 def plan(configs: Configs, model_dir: str, model_name: str, gpus: int) -> Plan:
     """Every socket binds to `--bind-host` (loopback by default); with `--router-url` no router
-    is started and the nodes heartbeat to its events socket on the router's host."""
+    is started and the nodes heartbeat to its events socket on the router's host. ValueError
+    when the pools need more GPUs than they are given."""
     launch = configs.launch
     base, host = launch.zmq_base_port, launch.bind_host
     router_host = urlsplit(launch.router_url).hostname if launch.router_url else host
     events = f"tcp://{router_host}:{base}"
-    prefill_gpus, decode_gpus = launch.prefill_gpus, launch.decode_gpus
-    if gpus and not (prefill_gpus or decode_gpus):
-        # Default pools: prefill on the first GPUs, decode on the next ones (shared if too few).
-        prefill_gpus = tuple(range(launch.prefill_count))
-        decode_gpus = tuple((launch.prefill_count + j) % gpus for j in range(launch.num_decode))
+    by_pool = pool_gpus(configs, gpus)
+    prefill_gpus, decode_gpus = by_pool["prefill"], by_pool["decode"]
+    tp_prefill, tp_decode = configs.engines["prefill"].tp, configs.engines["decode"].tp
     nodes = []
     for i in range(launch.prefill_count):
         address = f"tcp://{host}:{base + 1 + i}"
@@ -123,8 +155,8 @@ def plan(configs: Configs, model_dir: str, model_name: str, gpus: int) -> Plan:
             configs.nodes["prefill"], control_address=address, router_address=events
         )
         argv = _node_argv("prefill_node", configs.engines["prefill"], node, model_dir,
-                          _gpu(prefill_gpus, i), gpus)  # fmt: skip
-        nodes.append(NodeProcess(f"prefill-{i}", "prefill", address, argv))
+                          _gpus(prefill_gpus, i, tp_prefill), gpus)  # fmt: skip
+        nodes.append(NodeProcess(f"prefill-{i}", "prefill", address, argv, tp_prefill))
     for j in range(launch.num_decode):
         address = f"tcp://{host}:{base + 101 + j}"
         node = dataclasses.replace(
@@ -134,9 +166,9 @@ def plan(configs: Configs, model_dir: str, model_name: str, gpus: int) -> Plan:
             kv_address=f"tcp://{host}:{base + 201 + j}",
         )
         argv = _node_argv("decode_node", configs.engines["decode"], node, model_dir,
-                          _gpu(decode_gpus, j), gpus)  # fmt: skip
+                          _gpus(decode_gpus, j, tp_decode), gpus)  # fmt: skip
         role = "colocated" if launch.colocated else "decode"
-        nodes.append(NodeProcess(f"decode-{j}", role, address, argv))
+        nodes.append(NodeProcess(f"decode-{j}", role, address, argv, tp_decode))
     router = RouterConfig(
         model=model_dir,
         served_model_name=launch.served_model_name or model_name,
@@ -155,8 +187,13 @@ def plan(configs: Configs, model_dir: str, model_name: str, gpus: int) -> Plan:
     return Plan(configs, router.served_model_name, nodes, router_argv, url)
 
 
-def _gpu(gpus: tuple[int, ...], i: int) -> int | None:
-    return gpus[i % len(gpus)] if gpus else None
+def _gpus(gpus: tuple[int, ...], i: int, tp: int) -> tuple[int, ...]:
+    """Node i's GPUs, one per rank (entry i mod n of the list with one rank per node)."""
+    if not gpus:
+        return ()
+    if tp == 1:
+        return (gpus[i % len(gpus)],)
+    return gpus[i * tp : (i + 1) * tp]
 
 
 def _node_argv(
@@ -164,15 +201,19 @@ def _node_argv(
     engine: EngineConfig,
     node: NodeConfig,
     model_dir: str,
-    gpu: int | None,
+    node_gpus: tuple[int, ...],
     gpus: int,
 ) -> list[str]:
     options = engine.flat_options()
     options["model"] = model_dir
     if options["device"] == "auto":
-        # Every process sees every GPU and is pinned with --device cuda:N, so that a prefill
-        # node can open a decode node's KV pool through CUDA IPC.
-        options["device"] = f"cuda:{gpu}" if gpu is not None else ("cuda" if gpus else "cpu")
+        # Every process sees every GPU and is pinned with --device cuda:N (cuda:A,B,... one
+        # per tensor-parallel rank), so that a prefill node can open a decode node's KV pool
+        # through CUDA IPC.
+        if node_gpus:
+            options["device"] = "cuda:" + ",".join(map(str, node_gpus))
+        else:
+            options["device"] = "cuda" if gpus else "cpu"
     defaults = EngineConfig().flat_options()
     argv = [sys.executable, "-m", module]
     for name, value in options.items():

@@ -90,6 +90,7 @@ class PrefillNode:
         finally:
             self.sender.close()
             self.channel.close()
+            self.worker.close()  # stops its tensor-parallel ranks
 
     def stop(self) -> None:
         self.lifecycle.stop()

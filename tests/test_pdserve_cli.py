@@ -170,3 +170,33 @@ def test_restart_backoff_spares_a_node_that_ran_and_slows_a_crash_loop():
     assert backoff.delay("prefill-0", ran_s=1.0) == 0.0  # counted per node
     assert backoff.delay("decode-0", ran_s=25.0) == 0.0  # a healthy run resets the count
     assert backoff.delay("decode-0", ran_s=1.0) == 0.0
+
+
+def device_of(node) -> str:
+    return node.argv[node.argv.index("--device") + 1]
+
+
+def test_tensor_parallel_pools_get_one_gpu_per_rank():
+    p = plan(parse("--prefill-tp", "2", "--decode-tp", "1", "--num-decode", "2"), "/m", "m", 4)
+    prefill, decode0, decode1 = p.nodes
+    assert device_of(prefill) == "cuda:0,1" and prefill.ranks == 2
+    assert "--tp" in prefill.argv and "--tp" not in decode0.argv
+    assert (device_of(decode0), device_of(decode1)) == ("cuda:2", "cuda:3")
+    given = parse("--decode-tp", "2", "--prefill-gpus", "7", "--decode-gpus", "3,5")
+    assert device_of(plan(given, "/m", "m", 8).nodes[1]) == "cuda:3,5"
+    cpu = plan(parse("--colocated", "--tp", "2"), "/m", "m", gpus=0).nodes[0]
+    assert device_of(cpu) == "cpu" and cpu.argv[cpu.argv.index("--tp") + 1] == "2"
+    assert "--prefill-tp" in serve_help() and "--decode-tp" in serve_help()
+
+
+@pytest.mark.parametrize(
+    "argv,gpus,needle",
+    [
+        (["--prefill-tp", "2", "--decode-tp", "2"], 3, r"2 prefill \+ 2 decode GPUs needed"),
+        (["--decode-tp", "2", "--decode-gpus", "1"], 4, "need 2"),
+        (["--tp", "0"], 4, "tp must be >= 1"),
+    ],
+)
+def test_too_few_gpus_for_the_ranks_is_a_clear_error(argv, gpus, needle):
+    with pytest.raises(ValueError, match=needle):
+        plan(parse(*argv), "/m", "m", gpus)
