@@ -12,18 +12,25 @@ input_ids, positions, slots (per token); query_lens, seq_lens, row keys, table l
 row); the block tables, concatenated; logits_indices, sample_rows (per sampled row); fill_at,
 fill_from (per placeholder). Row keys are hashes of rank 0's `(request id, preemptions,
 blocks)` keys: equal hash, equal row (see `DecodeGraphs.launch`).
+
+Between steps rank 0 may send a command (`common.tp_kv`: KV transfer calls a prefill rank
+mirrors, KV heads a decode rank writes): header `[COMMAND, bytes, payload rows, 0...]`, a
+msgpack map as a uint8 tensor, then an optional payload tensor over the device group. Commands
+are rare (per request, not per step) and carry strings (request ids, addresses).
 """
 
 from __future__ import annotations
 
 from itertools import accumulate
+from typing import Any
 
+import msgpack
 import torch
 
 from common.distributed import TPGroup
 from common.model_runner import HostInputs
 
-STEP, STOP = 1, 2
+STEP, STOP, COMMAND = 1, 2, 3
 HEADER = 8
 HAS_LAYER_HOOK = 1  # flags: rank 0 runs this step with a per-layer hook (the same path here)
 
@@ -83,6 +90,19 @@ class StepDriver:
     def stop(self) -> None:
         self.tp.broadcast(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64), cpu=True)
 
+    def send_command(self, command: dict[str, Any], payload: torch.Tensor | None = None) -> None:
+        """`payload`: a tensor of the model's device (its dtype and shape go in `command`)."""
+        data = msgpack.packb(command, use_bin_type=True)
+        rows = 0 if payload is None else 1
+        header = torch.tensor([COMMAND, len(data), rows] + [0] * (HEADER - 3), dtype=torch.int64)
+        self.tp.broadcast(header, cpu=True)
+        self.tp.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), cpu=True)
+        if payload is not None:
+            self.tp.broadcast(payload.contiguous())
+
+
+Command = tuple[dict[str, Any], torch.Tensor | None]  # (map, payload)
+
 
 class StepFollower:
     """A rank > 0: receive each step, run the same forward, receive the sampled ids."""
@@ -90,15 +110,27 @@ class StepFollower:
     def __init__(self, tp: TPGroup, device: torch.device) -> None:
         self.tp, self.device = tp, device
 
-    def receive(self) -> tuple[HostInputs, int] | None:
-        """The next step, or None when rank 0 says stop."""
+    def receive(self) -> tuple[HostInputs, int] | Command | None:
+        """The next step `(inputs, flags)`, a command `(map, payload)`, or None: stop."""
         header = self.tp.broadcast(torch.zeros(HEADER, dtype=torch.int64), cpu=True).tolist()
         if header[0] == STOP:
             return None
+        if header[0] == COMMAND:
+            return self._command(header[1], header[2])
         tokens, rows, samples, fills, entries = header[1:6]
         size = 3 * tokens + 4 * rows + entries + 2 * samples + 2 * fills
         body = self.tp.broadcast(torch.zeros(size, dtype=torch.int64), cpu=True)
         return unpack(header, body)
+
+    def _command(self, nbytes: int, rows: int) -> Command:
+        data = self.tp.broadcast(torch.zeros(nbytes, dtype=torch.uint8), cpu=True)
+        command = msgpack.unpackb(data.numpy().tobytes(), raw=False)
+        payload = None
+        if rows:
+            dtype = getattr(torch, command["dtype"].removeprefix("torch."))
+            payload = torch.empty(command["shape"], dtype=dtype, device=self.device)
+            self.tp.broadcast(payload)
+        return command, payload
 
     def receive_ids(self, rows: int) -> torch.Tensor | None:
         if rows == 0:

@@ -22,14 +22,25 @@ import signal
 import socket
 import threading
 import time
+from dataclasses import dataclass
 
 from common.config import EngineConfig
+from kv_transfer.base import TransferConfig
 
 log = logging.getLogger(__name__)
 
 RANK_DIED = 70
 WATCH_INTERVAL_S = 0.2
 JOIN_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class RankRole:
+    """What a rank's node does with KV: "prefill" ranks ship their heads (with `transfer`),
+    "decode" ranks write the heads rank 0 hands them; None: nothing (colocated, offline)."""
+
+    kv: str | None = None
+    transfer: TransferConfig | None = None
 
 
 def free_tcp_address() -> str:
@@ -41,14 +52,14 @@ def free_tcp_address() -> str:
 class RankProcesses:
     """Ranks 1..tp-1 of the node whose rank 0 runs in this process."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, role: RankRole) -> None:
         self.init_method = free_tcp_address()
         self._stopping = False
         ctx = mp.get_context("spawn")
         self.procs = [
             ctx.Process(
                 target=rank_main,
-                args=(config, rank, self.init_method, os.getpid()),
+                args=(config, role, rank, self.init_method, os.getpid()),
                 name=f"tp-rank-{rank}",
                 daemon=True,  # multiprocessing terminates daemons when this process exits
             )
@@ -95,7 +106,9 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(WATCH_INTERVAL_S)
 
 
-def rank_main(config: EngineConfig, rank: int, init_method: str, parent_pid: int) -> None:
+def rank_main(
+    config: EngineConfig, role: RankRole, rank: int, init_method: str, parent_pid: int
+) -> None:
     # Ctrl-C reaches the whole process group; rank 0 decides when its ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -103,10 +116,14 @@ def rank_main(config: EngineConfig, rank: int, init_method: str, parent_pid: int
     from common.node_config import setup_logging
 
     setup_logging(f"tp-rank-{rank}")
+    from common.tp_kv import rank_handler
     from common.worker import Worker
 
-    worker = Worker(config, rank=rank, init_method=init_method)
+    worker = Worker(config, role, rank, init_method)
+    handler = rank_handler(role, worker)
     try:
-        worker.follow()
+        worker.follow(handler)
     finally:
+        if handler is not None:
+            handler.close()
         worker.close()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -36,7 +36,10 @@ from common.sampling_params import SamplingParams
 from common.sequence import Sequence
 from common.tokenizer import load_tokenizer
 from common.tp_link import StepDriver, StepFollower
-from common.tp_ranks import RankProcesses
+from common.tp_ranks import RankProcesses, RankRole
+
+if TYPE_CHECKING:
+    from common.tp_kv import RankHandler
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +93,15 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0, init_method: str | None = None) -> None:
-        """Rank 0 (the default) starts the other ranks; rank r > 0 joins at `init_method`."""
+    def __init__(
+        self,
+        config: EngineConfig,
+        role: RankRole | None = None,
+        rank: int = 0,
+        init_method: str | None = None,
+    ) -> None:
+        """Rank 0 (the default) starts the other ranks, telling them their `role` (what
+        their node does with KV); rank r > 0 joins at `init_method`."""
         self.config = config
         mc, cc = config.model, config.cache
         self.device = pick_device(mc.device, rank, config.tp)
@@ -103,7 +113,9 @@ class Worker:
         )
         self.spec: ModelSpec = read_spec(self.source)
         TPLayout.of(self.spec, config.tp)  # a TP size the model cannot split fails here
-        self.ranks = RankProcesses(config) if config.tp > 1 and rank == 0 else None
+        self.ranks = None
+        if config.tp > 1 and rank == 0:
+            self.ranks = RankProcesses(config, role or RankRole())
         self.tp = TPGroup.single()
         if config.tp > 1:
             address = self.ranks.init_method if self.ranks else init_method
@@ -170,21 +182,27 @@ class Worker:
         )
         log.info("worker ready (rank %d of %d): %s", self.tp.rank, self.tp.size, self.runtime)
 
-    def follow(self) -> None:
-        """A rank > 0: run rank 0's steps until it says stop. Like rank 0, it keeps one step in
-        flight: a replay's staging slot is given back once the step after it was queued and
-        the replayed step has finished (an event)."""
+    def follow(self, handler: RankHandler | None = None) -> None:
+        """A rank > 0: run rank 0's steps until it says stop; `handler` acts on its commands
+        and gives the per-layer hook of steps rank 0 runs with one (`common.tp_kv`). Like
+        rank 0, it keeps one step in flight: a replay's staging slot is given back once the
+        step after it was queued and the replayed step has finished (an event)."""
         follower = StepFollower(self.tp, self.device)
         prev_ids = None
         pending: deque[tuple[Any, torch.cuda.Event | None]] = deque()
-        while (step := follower.receive()) is not None:
-            h, _flags = step
+        while (message := follower.receive()) is not None:
+            if isinstance(message[0], dict):
+                if handler is not None:
+                    handler.command(*message)
+                continue
+            h, flags = message
             while len(pending) >= STAGING_DEPTH:
                 replay, done = pending.popleft()
                 if done is not None:
                     done.synchronize()
                 replay.release()
-            replay = self.runner.follow(h, prev_ids)
+            hook = handler.layer_hook(flags) if handler is not None else None
+            replay = self.runner.follow(h, prev_ids, hook)
             prev_ids = follower.receive_ids(len(h.sample_rows))
             if replay is not None:
                 done = torch.cuda.Event() if self.device.type == "cuda" else None

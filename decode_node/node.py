@@ -17,6 +17,8 @@ from common.node_lifecycle import Lifecycle
 from common.sampling_params import SamplingParams
 from common.scheduler import SampledToken, ScheduledBatch, Scheduler
 from common.sequence import Sequence, SequenceStatus
+from common.tp_kv import TPPoolWriter, check_transport
+from common.tp_ranks import RankRole
 from common.worker import Worker
 from decode_node.choices import ChoiceGroups
 from decode_node.reservations import PendingDecode, ReservationQueue
@@ -65,7 +67,10 @@ class DecodeNode:
         """`worker`: one already built from `engine_config` (benchmarks reuse a loaded model)."""
         self.config = node_config
         self.colocated = node_config.colocated
-        self.worker = worker or Worker(engine_config)
+        if not self.colocated:
+            check_transport(node_config.transport, engine_config.tp)
+        role = None if self.colocated else RankRole("decode")
+        self.worker = worker or Worker(engine_config, role)
         self.scheduler = Scheduler(engine_config.scheduler, self.worker.allocator)
         self.core = EngineCore(
             self.worker, self.scheduler, overlap=engine_config.overlap_scheduling
@@ -82,6 +87,10 @@ class DecodeNode:
                 self.worker.kv_cache.pool,
                 node_config.kv_address,
             )
+            if self.worker.runner.link is not None:  # rank 0 hands the ranks their heads
+                layout = self.worker.tp.layout(self.worker.spec)
+                writer = TPPoolWriter(self.worker.kv_cache.pool, layout, self.worker.runner.link)
+                self.receiver.set_writer(writer)
             extra["kv_address"] = self.receiver.address
         role = "colocated" if self.colocated else "decode"
         self.channel = NodeChannel(node_config.control_address, node_config.router_address, role)

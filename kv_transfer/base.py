@@ -71,6 +71,10 @@ class TransferConfig:
     deadline_s: float = 30.0  # from begin()/expect() to the completion notice
     fail_rate: float = 0.0  # tests: fraction of transfers the sender fails on purpose
     seed: int = 0  # seeds the sender's failure-injection RNG
+    # Tensor parallel (zmq): this prefill rank's pool holds the model's KV heads from
+    # head_start on, and `senders` ranks of its node each ship their heads.
+    head_start: int = 0
+    senders: int = 1
 
     def __post_init__(self) -> None:
         if not self.deadline_s > 0:
@@ -118,6 +122,12 @@ class KVSender(ABC):
         in one operation does (cuda_ipc: one copy kernel)."""
         for layer in layers:
             self.send_layer(request_id, layer)
+
+    def flush(self) -> None:
+        """Wait until no copy reads the source blocks of any transfer any more and hand what
+        is queued to the wire (a tensor-parallel rank after `complete`: rank 0 may reuse
+        the blocks in its next step). Transports that copy synchronously do nothing."""
+        return None
 
     @abstractmethod
     def complete(self, request_id: str, metadata: dict[str, Any]) -> None:

@@ -58,7 +58,7 @@ from kv_transfer.ipc_handles import (
 )
 from kv_transfer.ipc_sender import CudaIpcSender, Route
 from kv_transfer.ledger import DEADLINE_EXCEEDED, ReceiverLedger
-from kv_transfer.pool_io import write_layer_frame
+from kv_transfer.pool_io import PoolWriter, write_layer_frame
 from kv_transfer.zmq_transport import MAX_MESSAGES_PER_POLL, RECV_HWM
 
 __all__ = ["CANCEL_GRACE_S", "CANCELLED", "CudaIpcReceiver", "CudaIpcSender", "Route"]
@@ -85,7 +85,9 @@ class CudaIpcReceiver(KVReceiver):
         cancel_grace_s: float = CANCEL_GRACE_S,
     ) -> None:
         self._pool = pool
-        self._ledger = ReceiverLedger(config, num_layers=pool.shape[0], num_blocks=pool.shape[2])
+        self._ledger = ReceiverLedger(
+            config, num_layers=pool.shape[0], num_blocks=pool.shape[2], num_heads=pool.shape[4]
+        )
         self._grace_s = cancel_grace_s
         self._session = secrets.token_hex(8)
         try:  # once: the pool never moves
@@ -254,7 +256,7 @@ class CudaIpcReceiver(KVReceiver):
             self._ledger.started(request_id)
 
     def _write_layer(self, header: LayerHeader, buffer: memoryview) -> None:
-        write_layer_frame(self._pool, self._ledger, header, buffer)
+        write_layer_frame(PoolWriter(self._pool), self._ledger, header, buffer)
 
     def _send(self, identity: bytes, message: Any) -> None:
         try:

@@ -3,7 +3,11 @@
 A header is `{"kind": ..., **fields}`. A "layer" header is followed by one payload frame with
 the layer's K and V of the request's blocks; "complete" and "abort" travel alone. Decoding
 checks every field's type, so what reaches the receiver's logic is well-typed; whether it fits
-the expected transfer and the pool is the receiver's check. With a cluster secret set, headers
+the expected transfer and the pool is the receiver's check.
+
+Between different TP sizes each prefill rank ships the KV heads its pool holds: a layer frame
+carries `head_start` (the model's KV head number of its first head; `shape[3]` heads follow),
+and each sending rank ends with its own "complete" that says how many ranks send (`senders`). With a cluster secret set, headers
 are signed (`common.wire_auth`); payload frames are not.
 """
 
@@ -28,13 +32,15 @@ class LayerHeader:
     layer: int
     block_ids: list[int]  # destination blocks, equal to the receiver's reservation
     dtype: str  # str(torch dtype) of the payload, e.g. "torch.bfloat16"
-    shape: list[int]  # [2, len(block_ids), block_size, num_kv_heads, head_dim]
+    shape: list[int]  # [2, len(block_ids), block_size, heads in this frame, head_dim]
+    head_start: int = 0  # the model's KV head number of the frame's first head
 
 
 @dataclass(frozen=True)
 class CompleteHeader:
     request_id: str
     metadata: dict[str, Any]  # msgpack-able, str keys (first token, timing, ...)
+    senders: int = 1  # prefill ranks that each send a share of the heads and a "complete"
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,13 @@ class TransferTable(Generic[E]):
         return max(0.0, until - now)
 
 
+def _frame_heads(header: LayerHeader) -> range | None:
+    """The model's KV heads a layer frame carries; None when its shape is not a layer's."""
+    if len(header.shape) != 5 or header.shape[3] < 1:
+        return None
+    return range(header.head_start, header.head_start + header.shape[3])
+
+
 def _check_block_ids(what: str, block_ids: list[int], num_blocks: int | None) -> None:
     """Ints in [0, num_blocks) (only >= 0 when the pool is remote), no repeats."""
     limit = num_blocks if num_blocks is not None else float("inf")
@@ -174,16 +181,28 @@ class SenderLedger:
 @dataclass
 class Incoming:
     transfer: Transfer  # block_ids are the reserved destination blocks
-    layers: set[int] = field(default_factory=set)  # written into the pool
+    layers: set[int] = field(default_factory=set)  # every KV head written into the pool
+    heads: dict[int, set[int]] = field(default_factory=dict)  # layer -> heads written so far
+    completes: int = 0  # completion notices so far (one per sending prefill rank)
+    metadata: dict[str, Any] = field(default_factory=dict)  # merged from the notices
 
 
 class ReceiverLedger:
-    """The receiver's side: validates each frame against what was reserved, in arrival order."""
+    """The receiver's side: validates each frame against what was reserved, in arrival order.
 
-    def __init__(self, config: TransferConfig, num_layers: int, num_blocks: int) -> None:
+    A layer is written once all `num_heads` KV heads of the model arrived (one frame from a
+    prefill node of one rank; one per sending rank, each with its head range, from a
+    tensor-parallel one). The transfer is DONE once `senders` completion notices arrived and
+    every layer is written: a decode node never admits a request on a half-written block.
+    """
+
+    def __init__(
+        self, config: TransferConfig, num_layers: int, num_blocks: int, num_heads: int = 1
+    ) -> None:
         self.config = config
         self.num_layers = num_layers
         self.num_blocks = num_blocks
+        self.num_heads = num_heads  # the model's KV heads (a TP decode pool holds some)
         self.table: TransferTable[Incoming] = TransferTable()
         # Frames for no expected transfer (cancelled, failed, finished, never expected): dropped
         # before they touch the pool, so a late frame never writes into a freed block.
@@ -208,31 +227,45 @@ class ReceiverLedger:
         entry = self._known(header.request_id, "layer")
         if entry is None:
             return None
+        heads = _frame_heads(header) or range(0)  # a bad shape fails at the payload check
+        arrived = entry.heads.get(header.layer, set())
         if not 0 <= header.layer < self.num_layers:
             self.fail(header.request_id, f"layer {header.layer} outside [0, {self.num_layers})")
-        elif header.layer in entry.layers:
-            self.fail(header.request_id, f"layer {header.layer} arrived twice")
+        elif heads.start < 0 or heads.stop > self.num_heads:
+            self.fail(header.request_id, f"KV heads {heads} outside [0, {self.num_heads})")
+        elif header.layer in entry.layers or arrived.intersection(heads):
+            self.fail(header.request_id, f"layer {header.layer} heads {heads} arrived twice")
         elif header.block_ids != entry.transfer.block_ids:
             self.fail(header.request_id, "block ids differ from the reservation")
         else:
             return entry
         return None
 
-    def layer_written(self, entry: Incoming, layer: int) -> None:
-        entry.layers.add(layer)
+    def layer_written(self, entry: Incoming, layer: int, heads: range | None = None) -> None:
+        """`heads` of `layer` are in the pool (None: all of them)."""
+        arrived = entry.heads.setdefault(layer, set())
+        arrived.update(range(self.num_heads) if heads is None else heads)
+        if len(arrived) == self.num_heads:
+            entry.layers.add(layer)
         entry.transfer.layers_done = len(entry.layers)
         if entry.transfer.state is TransferState.PENDING:
             entry.transfer.move_to(TransferState.IN_FLIGHT)
 
-    def complete(self, request_id: str, metadata: dict[str, Any]) -> None:
+    def complete(self, request_id: str, metadata: dict[str, Any], senders: int = 1) -> None:
+        """One sending rank's notice; each sent its frames before it on its own connection,
+        so once all `senders` notices are in, every frame is."""
         entry = self._known(request_id, "complete")
         if entry is None:
+            return
+        entry.completes += 1
+        entry.metadata.update(metadata)
+        if entry.completes < senders:
             return
         missing = self.num_layers - len(entry.layers)
         if missing:
             self.fail(request_id, f"incomplete: {missing} of {self.num_layers} layers missing")
             return
-        entry.transfer.metadata = metadata
+        entry.transfer.metadata = entry.metadata
         self.table.finish(request_id, TransferState.DONE)
 
     def started(self, request_id: str) -> Incoming | None:

@@ -45,7 +45,9 @@ class LoopbackReceiver(KVReceiver):
         if not bind_address.startswith(SCHEME) or bind_address == SCHEME:
             raise ValueError(f"loopback address must look like {SCHEME}NAME, got {bind_address!r}")
         self._pool = pool
-        self._ledger = ReceiverLedger(config, num_layers=pool.shape[0], num_blocks=pool.shape[2])
+        self._ledger = ReceiverLedger(
+            config, num_layers=pool.shape[0], num_blocks=pool.shape[2], num_heads=pool.shape[4]
+        )
         self._cond = threading.Condition()  # guards the ledger, the pool writes and the inbox
         self._inbox: deque[bytes] = deque()
         with _RECEIVERS_LOCK:

@@ -53,10 +53,13 @@ def scatter_layer(
 
 
 def payload_error(pool: torch.Tensor, header: LayerHeader, nbytes: int) -> str | None:
-    """Why a layer payload cannot be written into `pool`, or None if it fits."""
+    """Why a layer payload cannot be written into `pool`, or None if it fits. The frame may
+    carry fewer KV heads than the pool holds (the ledger checks which)."""
     if header.dtype != str(pool.dtype):
         return f"dtype {header.dtype} differs from the pool's {pool.dtype}"
     expected = layer_shape(pool, len(header.block_ids))
+    if len(header.shape) == 5:
+        expected[3] = header.shape[3]
     if header.shape != expected:
         return f"shape {header.shape} differs from the expected {expected}"
     expected_bytes = math.prod(expected) * pool.element_size()
@@ -112,23 +115,65 @@ class HostStager:
             self._stream.synchronize()
 
 
+class PoolWriter:
+    """Writes a layer frame's KV heads into a pool that holds the model's KV heads `heads`
+    (all of them on a node of one rank). A tensor-parallel decode node's rank 0 uses a
+    subclass that also hands the heads of its other ranks to them (`common.tp_kv`)."""
+
+    def __init__(self, pool: torch.Tensor, heads: range | None = None) -> None:
+        self.pool = pool
+        self.heads = heads if heads is not None else range(pool.shape[4])
+
+    @property
+    def num_heads(self) -> int:
+        """The model's KV heads, which every transfer must deliver."""
+        return len(self.heads)
+
+    def write(self, layer: int, block_ids: list[int], head_start: int, payload: torch.Tensor):
+        write_heads(self.pool, self.heads, layer, block_ids, head_start, payload)
+
+
+def write_heads(
+    pool: torch.Tensor,
+    pool_heads: range,
+    layer: int,
+    block_ids: list[int],
+    head_start: int,
+    payload: torch.Tensor,
+) -> None:
+    """Write the heads of `payload` (the model's heads head_start..) that `pool` holds."""
+    frame = range(head_start, head_start + payload.shape[3])
+    lo, hi = max(frame.start, pool_heads.start), min(frame.stop, pool_heads.stop)
+    if lo >= hi:
+        return
+    part = payload[:, :, :, lo - head_start : hi - head_start]
+    if lo == pool_heads.start and hi == pool_heads.stop and part.shape[3] == pool.shape[4]:
+        scatter_layer(pool, layer, block_ids, part)
+        return
+    target = pool[layer][:, :, :, lo - pool_heads.start : hi - pool_heads.start]
+    target.index_copy_(1, _index(pool, block_ids), part.to(pool.device))
+
+
 def write_layer_frame(
-    pool: torch.Tensor, ledger: ReceiverLedger, header: LayerHeader, buffer: memoryview
+    writer: PoolWriter, ledger: ReceiverLedger, header: LayerHeader, buffer: memoryview
 ) -> None:
     """A receiver's handling of one layer frame: check it against the reservation and the pool,
     write it, and record it; any problem fails that transfer only (never raises)."""
     entry = ledger.accept_layer(header)
     if entry is None:
         return
+    pool = writer.pool
     error = payload_error(pool, header, buffer.nbytes)
     if error is not None:
         ledger.fail(header.request_id, error)
         return
     payload = from_bytes(buffer, pool.dtype, header.shape)
     try:
-        scatter_layer(pool, header.layer, header.block_ids, payload)
+        writer.write(header.layer, header.block_ids, header.head_start, payload)
     except RuntimeError as exc:  # e.g. out of device memory for the staging copy
         log.exception("writing KV of %s failed", header.request_id)
         ledger.fail(header.request_id, f"write failed: {exc}")
         return
-    ledger.layer_written(entry, header.layer)
+    ledger.layer_written(
+        entry, header.layer, range(header.head_start, header.head_start + header.shape[3])
+    )

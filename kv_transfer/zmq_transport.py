@@ -41,7 +41,7 @@ from kv_transfer.ledger import (
     ReceiverLedger,
     SenderLedger,
 )
-from kv_transfer.pool_io import HostStager, as_bytes, write_layer_frame
+from kv_transfer.pool_io import HostStager, PoolWriter, as_bytes, write_layer_frame
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,9 @@ class ZmqSender(KVSender):
         self._pool = pool
         self._ledger = SenderLedger(config, num_layers=pool.shape[0], num_blocks=pool.shape[2])
         self._stager = HostStager(pool.device)
+        # Tensor parallel: this rank's pool holds the model's KV heads from head_start on;
+        # `senders` ranks each ship theirs (TransferConfig).
+        self._head_start, self._senders = config.head_start, config.senders
         self._ctx = zmq.Context()
         self._sockets: dict[str, zmq.Socket] = {}
         self._queue: deque[_Queued] = deque()
@@ -94,8 +97,9 @@ class ZmqSender(KVSender):
             return
         payload, ready = self._stager.stage(self._pool, layer, entry.transfer.block_ids)
         header = LayerHeader(
-            request_id, layer, entry.dst_block_ids, str(payload.dtype), list(payload.shape)
-        )
+            request_id, layer, entry.dst_block_ids, str(payload.dtype), list(payload.shape),
+            self._head_start,
+        )  # fmt: skip
         self._queue.append(_Queued(entry, [encode_header(header), as_bytes(payload)], ready, False))
         self._ledger.layer_sent(entry, layer)
         self._flush()
@@ -105,7 +109,7 @@ class ZmqSender(KVSender):
         if entry is None:
             return
         self._ledger.check_complete(entry)
-        frame = encode_header(CompleteHeader(request_id, metadata))
+        frame = encode_header(CompleteHeader(request_id, metadata, self._senders))
         self._queue.append(_Queued(entry, [frame], None, True))
         self._flush()
 
@@ -113,6 +117,10 @@ class ZmqSender(KVSender):
         entry = self._ledger.table.get(request_id)
         if entry is not None:
             self._fail(entry, reason)
+
+    def flush(self) -> None:
+        self._stager.synchronize()
+        self._flush()
 
     def poll(self) -> list[Transfer]:
         self._flush()
@@ -187,7 +195,10 @@ class ZmqSender(KVSender):
 class ZmqReceiver(KVReceiver):
     def __init__(self, pool: torch.Tensor, config: TransferConfig, bind_address: str) -> None:
         self._pool = pool
-        self._ledger = ReceiverLedger(config, num_layers=pool.shape[0], num_blocks=pool.shape[2])
+        self._ledger = ReceiverLedger(
+            config, num_layers=pool.shape[0], num_blocks=pool.shape[2], num_heads=pool.shape[4]
+        )
+        self.writer = PoolWriter(pool)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, RECV_HWM)
@@ -256,9 +267,14 @@ class ZmqReceiver(KVReceiver):
         elif isinstance(header, LayerHeader):
             self._write_layer(header, frames[1].buffer)
         elif isinstance(header, CompleteHeader):
-            self._ledger.complete(header.request_id, header.metadata)
+            self._ledger.complete(header.request_id, header.metadata, header.senders)
         else:
             self._ledger.abort(header.request_id, header.reason)
 
+    def set_writer(self, writer: PoolWriter) -> None:
+        """Before any expect(): a tensor-parallel node's writer, which knows every head."""
+        self.writer = writer
+        self._ledger.num_heads = writer.num_heads
+
     def _write_layer(self, header: LayerHeader, buffer: memoryview) -> None:
-        write_layer_frame(self._pool, self._ledger, header, buffer)
+        write_layer_frame(self.writer, self._ledger, header, buffer)

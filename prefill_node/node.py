@@ -22,6 +22,8 @@ from common.node_lifecycle import Lifecycle
 from common.sampling_params import SamplingParams
 from common.scheduler import ScheduledBatch, Scheduler
 from common.sequence import Sequence
+from common.tp_kv import TPSender, check_transport, rank_transfer
+from common.tp_ranks import RankRole
 from common.worker import Worker
 from kv_transfer import TransferConfig, TransferState, create_sender
 
@@ -50,20 +52,24 @@ class PrefillJob:
 class PrefillNode:
     def __init__(self, node_config: NodeConfig, engine_config: EngineConfig) -> None:
         self.config = node_config
-        self.worker = Worker(engine_config)
+        transfer = TransferConfig(
+            transport=node_config.transport,
+            deadline_s=node_config.transfer_deadline_s,
+            fail_rate=node_config.fail_transfer_rate,
+        )
+        check_transport(node_config.transport, engine_config.tp)
+        self.worker = Worker(engine_config, RankRole("prefill", transfer))
         self.scheduler = Scheduler(
             engine_config.scheduler, self.worker.allocator, prefill_only=True
         )
         # Synchronous: the first token leaves as soon as it is sampled, and steps ship KV per layer.
         self.core = EngineCore(self.worker, self.scheduler, overlap=False)
-        self.sender = create_sender(
-            TransferConfig(
-                transport=node_config.transport,
-                deadline_s=node_config.transfer_deadline_s,
-                fail_rate=node_config.fail_transfer_rate,
-            ),
-            self.worker.kv_cache.pool,
-        )
+        # Tensor parallel: rank 0 ships its KV heads, its ranks theirs (common/tp_kv.py).
+        layout = self.worker.tp.layout(self.worker.spec)
+        pool = self.worker.kv_cache.pool
+        self.sender = create_sender(rank_transfer(transfer, layout, 0), pool)
+        if self.worker.runner.link is not None:
+            self.sender = TPSender(self.sender, self.worker.runner.link)
         self.channel = NodeChannel(
             node_config.control_address, node_config.router_address, "prefill"
         )
