@@ -116,6 +116,10 @@ def rank_main(
     from common.node_config import setup_logging
 
     setup_logging(f"tp-rank-{rank}")
+    if "OMP_NUM_THREADS" not in os.environ:  # CPU ranks share the cores (the launcher sets it)
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp))
     from common.tp_kv import rank_handler
     from common.worker import Worker
 
