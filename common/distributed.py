@@ -88,5 +88,9 @@ class TPGroup:
         return int(t.item())
 
     def close(self) -> None:
-        if self.size > 1 and dist.is_initialized():
+        """Leave the group. After NCCL collectives were captured in CUDA graphs,
+        `destroy_process_group` can hang (pytorch/pytorch#115388); the process is about to
+        exit then, which releases the communicators anyway, so NCCL groups are left as they
+        are."""
+        if self.size > 1 and dist.is_initialized() and dist.get_backend() == "gloo":
             dist.destroy_process_group()

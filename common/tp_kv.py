@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from common.parallel import TPLayout
-from common.tp_link import StepDriver
+from common.tp_link import HAS_LAYER_HOOK, StepDriver
 from kv_transfer.base import KVSender, Transfer, TransferConfig
 from kv_transfer.pool_io import PoolWriter, write_heads
 
@@ -154,8 +154,6 @@ class PrefillRank:
             self.fresh.remove(rid)
 
     def layer_hook(self, flags: int) -> Callable[[int], None] | None:
-        from common.tp_link import HAS_LAYER_HOOK
-
         if self.sender is None or not flags & HAS_LAYER_HOOK:
             return None
         shipping, self.fresh = self.fresh, []

@@ -104,7 +104,8 @@ class DecodeNode:
         num_blocks = self.worker.allocator.num_blocks
         self._headroom_blocks = math.ceil(node_config.kv_growth_headroom * num_blocks)
         pool = self.worker.kv_cache.pool
-        self._block_bytes = pool[:, :, 0].numel() * pool.element_size()  # all layers, K and V
+        # all layers, K and V, every KV head (a tensor-parallel rank's pool holds some)
+        self._block_bytes = self.worker.spec.kv_bytes_per_token(pool.element_size()) * pool.shape[3]
 
     # -- loop -------------------------------------------------------------------------------
     def run(self) -> None:

@@ -1,6 +1,15 @@
-"""Tensor parallelism through the launcher, as a user runs it: `launch_pd.sh --colocated
---tp 2` starts a node whose rank 1 is its own process; the greedy text equals the
-single-process engine at TP 1, and a rank that dies takes its node down with no orphan."""
+"""Tensor parallelism through the launcher, as a user runs it (tiny random Qwen2 with 4 query
+heads and 2 KV heads, few tokens; one stack per layout):
+
+- colocated `--tp 2`: one node whose rank 1 is its own process;
+- PD `--prefill-tp 2 --decode-tp 1`: two prefill ranks each ship their KV head (zmq frames
+  with their head range) into one decode pool;
+- PD `--prefill-tp 1 --decode-tp 2`: one frame per layer carries both heads; the decode node's
+  rank 0 writes its head and hands the other to its rank.
+
+Each gives the text of the single-process engine at TP 1 (which colocated TP 1 equals,
+tests/test_pd_faults.py), frees every block, and a rank or node that dies leaves no process.
+"""
 
 from __future__ import annotations
 
@@ -12,13 +21,18 @@ import httpx
 import pytest
 
 from common import LLM, SamplingParams
-from common.tokenizer import load_tokenizer
 from tests.pd_stack import PDStack, alive, descendants
 from tests.tiny_models import save_tiny_tool_model
 
 LAUNCH = ("--num-kv-blocks", "64", "--max-num-batched-tokens", "256", "--max-num-seqs", "8")
-PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [42, 43, 44]]
+# 40 tokens: three blocks of 16, so a transfer spans full blocks and a partial one.
+PROMPTS = [list(range(100, 140)), [42, 43, 44]]
 NEW_TOKENS = 8
+LAYOUTS = {
+    "colocated_tp2": ("--colocated", "--tp", "2"),
+    "P_tp2-D_tp1": ("--prefill-tp", "2", "--decode-tp", "1"),
+    "P_tp1-D_tp2": ("--prefill-tp", "1", "--decode-tp", "2"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -27,16 +41,17 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def expected(model_dir) -> list[list[int]]:
+def expected(model_dir) -> list[str]:
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     with LLM(str(model_dir), device="cpu", num_kv_blocks=64) as llm:
-        return [out.token_ids for out in llm.generate(PROMPTS, params)]
+        return [out.text for out in llm.generate(PROMPTS, params)]  # the router's detokenizer
 
 
-@pytest.fixture(scope="module")
-def stack(model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def stack(request, model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("tp_stack") / "launch.log"
-    s = PDStack("--model", str(model_dir), "--colocated", "--tp", "2", *LAUNCH, log_path=log)
+    s = PDStack("--model", str(model_dir), *LAYOUTS[request.param], *LAUNCH, log_path=log)
+    s.layout = request.param
     yield s
     assert s.stop() == [], "processes left after Ctrl-C"
 
@@ -51,31 +66,38 @@ def completion_text(url: str, prompt: list[int]) -> str:
     return r.json()["choices"][0]["text"]
 
 
-def test_colocated_tp2_node_reports_two_ranks_and_its_text_equals_tp1(stack, model_dir, expected):
-    assert stack.node("colocated")["info"]["tp"] == 2
-    tokenizer = load_tokenizer(model_dir)
-    assert [completion_text(stack.url, p) for p in PROMPTS] == [
-        tokenizer.decode(ids) for ids in expected
-    ]
+def tp_node(stack) -> dict:
+    """The node of the layout that has two ranks."""
+    nodes = stack.get("/health")[1]["nodes"]
+    return next(n for n in nodes if n["info"]["tp"] == 2)
+
+
+def test_greedy_text_equals_tp1_and_every_block_is_freed(stack, expected):
+    assert [completion_text(stack.url, p) for p in PROMPTS] == expected
+    for node in stack.get("/health")[1]["nodes"]:
+        assert node["load"].get("kv_transfer_failures", 0) == 0
+    stack.wait_for(
+        lambda: all(n["load"]["used_blocks"] == 0 for n in stack.get("/health")[1]["nodes"]),
+        "every node's blocks freed",
+    )
 
 
 def rank_pids(node_pid: int) -> list[int]:
-    """The node's tensor-parallel rank processes (multiprocessing spawn children)."""
+    """A node's tensor-parallel rank processes (multiprocessing spawn children)."""
     out = []
     for pid in descendants(node_pid):
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(pid)
         except OSError:
             continue
-        if b"spawn_main" in cmdline:
-            out.append(pid)
     return out
 
 
-def test_a_rank_that_dies_takes_its_node_down_and_leaves_no_process(stack):
-    node_pid = stack.node("colocated")["info"]["pid"]
-    ranks = rank_pids(node_pid)
-    assert len(ranks) == 1
-    os.kill(ranks[0], signal.SIGKILL)
-    stack.wait_for(lambda: not alive(node_pid), "the node to exit after its rank died")
-    assert not any(alive(p) for p in descendants(node_pid))
+def test_a_dead_rank_takes_its_node_down_and_a_dead_node_its_ranks(stack):
+    """Colocated: SIGKILL the rank, the node exits. PD: SIGKILL the node, its rank exits."""
+    node_pid = tp_node(stack)["info"]["pid"]
+    (rank,) = rank_pids(node_pid)
+    os.kill(rank if stack.layout == "colocated_tp2" else node_pid, signal.SIGKILL)
+    for pid, what in ((node_pid, "the node"), (rank, "its rank")):
+        stack.wait_for(lambda pid=pid: not alive(pid), f"{what} to exit")
