@@ -15,6 +15,7 @@ steps until STOP.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import os
@@ -68,6 +69,9 @@ class RankProcesses:
         for proc in self.procs:
             proc.start()
         log.info("started tensor-parallel ranks %s", [p.pid for p in self.procs])
+        # A process that exits without `Worker.close()` kills its ranks (they ignore SIGTERM,
+        # which multiprocessing's own exit handler would send, and wait in a collective).
+        atexit.register(self.terminate)
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
 
     def _watch(self) -> None:
@@ -109,7 +113,8 @@ def _watch_parent(parent_pid: int) -> None:
 def rank_main(
     config: EngineConfig, role: RankRole, rank: int, init_method: str, parent_pid: int
 ) -> None:
-    # Ctrl-C reaches the whole process group; rank 0 decides when its ranks stop.
+    # Ctrl-C reaches the whole process group, SIGTERM drains a node (its ranks keep serving
+    # the drain): rank 0 decides when its ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()

@@ -9,12 +9,18 @@ is this process), drives them step by step and stops them on `close()`.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from common import LLM, SamplingParams
 from tests.hf_oracle import hf_greedy
+from tests.pd_stack import ROOT, alive, descendants
 
 COMMON = dict(
     vocab_size=387,
@@ -81,3 +87,27 @@ def test_tp_size_the_model_cannot_split_is_refused_before_any_rank_starts(llama)
     folder, _ = llama
     with pytest.raises(ValueError, match="tp=3 does not divide num_heads=4"):
         LLM(folder, tp=3, **OPTIONS)
+
+
+FORGETFUL = """
+from common import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM({folder!r}, tp=2, **{options!r})
+    print(llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2))[0].token_ids)
+"""
+
+
+def test_a_process_that_never_closes_its_llm_exits_cleanly_and_takes_its_ranks(llama, tmp_path):
+    """Its ranks ignore SIGTERM and wait in a collective: the exit handler kills them."""
+    folder, _ = llama
+    script = tmp_path / "forgetful.py"
+    script.write_text(FORGETFUL.format(folder=folder, options=OPTIONS))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE)
+    ranks: list[int] = []
+    while proc.poll() is None and not ranks:
+        ranks = descendants(proc.pid)
+        time.sleep(0.05)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and out.strip().startswith(b"[")
+    assert not any(alive(pid) for pid in ranks)
