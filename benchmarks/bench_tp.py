@@ -55,10 +55,11 @@ def peer_bandwidth() -> float | None:
     """Bytes/s of a 1 GiB copy GPU 0 -> GPU 1."""
     if torch.cuda.device_count() < 2:
         return None
-    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda:0")
-    dst = torch.empty_like(src, device="cuda:1")
-    seconds = time_fn(lambda: dst.copy_(src), 10, True)
-    return src.numel() * 2 / seconds
+    pair = [torch.empty(1 << 29, dtype=torch.bfloat16, device=f"cuda:{i}") for i in (0, 1)]
+    seconds = time_fn(lambda: pair[1].copy_(pair[0]), 10, True)
+    pair.clear()
+    torch.cuda.empty_cache()  # GPU 1 belongs to rank 1's KV pool
+    return (1 << 29) * 2 / seconds
 
 
 def comm_bytes(worker: Worker, batch: int) -> int:
@@ -112,7 +113,7 @@ def greedy_tokens(args, tp: int) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=args.check_tokens, ignore_eos=True)
     prompts = [[100 + (7 * i + j) % 400 for j in range(n)] for i, n in enumerate((5, 33, 130, 511))]
     with LLM(args.model, load_format="dummy", dtype="float32", tp=tp, device=devices(tp, cuda),
-             num_kv_blocks=args.num_kv_blocks, max_num_seqs=8) as llm:  # fmt: skip
+             num_kv_blocks=args.num_kv_blocks or 1024, max_num_seqs=8) as llm:  # fmt: skip
         out = [o.token_ids for o in llm.generate(prompts, params)]
     gc.collect()
     if cuda:

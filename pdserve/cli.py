@@ -33,6 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         source = resolve_model(configs.launch.model, dtype=dtype)
+        check_tp(source, [engine.tp for engine in configs.engines.values()])
     except ValueError as exc:  # ModelNotFound and every other "this is not a model" case
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
@@ -54,6 +55,19 @@ def plan_command(args) -> int:
     except ValueError as exc:
         args.plan_parser.error(str(exc))
     return USAGE_ERROR  # not reached: error() exits
+
+
+def check_tp(source, sizes: list[int]) -> None:
+    """ValueError when the model cannot be split into a pool's tensor-parallel ranks (heads,
+    KV heads and MLP must divide), before any process starts."""
+    if max(sizes) == 1:
+        return
+    from common.loader import read_spec
+    from common.parallel import TPLayout
+
+    spec = read_spec(source)
+    for size in set(sizes):
+        TPLayout.of(spec, size)
 
 
 def entry() -> None:

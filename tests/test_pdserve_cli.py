@@ -200,3 +200,9 @@ def test_tensor_parallel_pools_get_one_gpu_per_rank():
 def test_too_few_gpus_for_the_ranks_is_a_clear_error(argv, gpus, needle):
     with pytest.raises(ValueError, match=needle):
         plan(parse(*argv), "/m", "m", gpus)
+
+
+def test_a_tp_size_the_model_cannot_split_is_one_line_and_exit_code_2(capsys):
+    # the embedded SmolLM2 has 9 query heads and 3 KV heads: TP 3 splits it, TP 2 does not
+    assert main(["serve", "--decode-tp", "2", "--health-timeout", "1"]) == 2
+    assert "tp=2 does not divide num_heads=9" in capsys.readouterr().err
