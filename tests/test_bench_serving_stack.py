@@ -90,7 +90,7 @@ def test_vllm_bench_serve_request_shapes_are_served(stack, endpoint, spec):
     (r,) = outcome.results
     assert r.success, r.error
     assert r.status == 200 and 1 <= r.output_tokens <= 3 and r.prompt_tokens >= 5
-    assert len(r.itl) == r.output_tokens - 1
+    assert len(r.itl) <= r.output_tokens - 1  # a gap per chunk; queued tokens share one
 
 
 def test_a_point_that_cannot_meet_its_slo_stops_early_and_the_nodes_free_every_block(stack):

@@ -114,8 +114,8 @@ def test_a_prefill_node_started_by_hand_registers_serves_and_drains_on_sigterm(
 
 def test_sigterm_drains_the_decode_node_its_stream_finishes_and_it_comes_back(stack):
     old = stack.node("decode")
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 48,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     chunks = []
     with (
         httpx.Client(timeout=120) as http,
@@ -127,9 +127,10 @@ def test_sigterm_drains_the_decode_node_its_stream_finishes_and_it_comes_back(st
             chunks.append(json.loads(line[len("data:") :]))
             if len(chunks) == 3:
                 os.kill(old["pid"], signal.SIGTERM)
-    assert "error" not in chunks[-1], chunks[-1]
-    assert sum(len(c["choices"][0]["text"]) > 0 for c in chunks) > 3
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    *tokens, usage = chunks
+    assert "error" not in tokens[-1] and "error" not in usage, chunks[-2:]
+    assert tokens[-1]["choices"][0]["finish_reason"] == "length"
+    assert usage["usage"]["completion_tokens"] == 48  # every token after the SIGTERM too
     stack.wait_for(
         lambda: (n := stack.node("decode"))["healthy"] and n["pid"] != old["pid"],
         "the launcher to restart the drained decode node",
