@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded model through our engine and through HF transformers."""
+"""Shared fixtures: the embedded model through our engine and through HF transformers, and its
+source and tokenizer for the router tests."""
 
 from __future__ import annotations
 
@@ -27,3 +28,18 @@ def smollm_hf(smollm_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def source(smollm_dir):
+    """The embedded model as the router sees it (tests name it `source`)."""
+    from common.loader import ModelSource
+
+    return ModelSource(smollm_dir, "SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(source):
+    from common.tokenizer import load_tokenizer
+
+    return load_tokenizer(source.directory)

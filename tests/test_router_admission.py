@@ -7,27 +7,14 @@ import asyncio
 from typing import Any
 
 import httpx
-import pytest
 
-from common.loader import ModelSource
 from common.messages import DecodeRequest, FirstToken, PrefillRequest, TokenBatch
-from common.tokenizer import load_tokenizer
 from router.admission import Admission
 from router.app import create_app
 from router.config import RouterConfig
 from tests.router_fakes import LoopbackNodes, ManualClock, heartbeat
 
 P, D = "tcp://127.0.0.1:5601", "tcp://127.0.0.1:5701"
-
-
-@pytest.fixture(scope="module")
-def source(smollm_dir) -> ModelSource:
-    return ModelSource(smollm_dir, "SmolLM2-135M-Instruct")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(source):
-    return load_tokenizer(source.directory)
 
 
 def build(source, tokenizer, **cfg):

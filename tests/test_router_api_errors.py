@@ -9,24 +9,12 @@ from typing import Any
 import httpx
 import pytest
 
-from common.loader import ModelSource
-from common.tokenizer import load_tokenizer
 from router.app import create_app
 from router.config import RouterConfig
 from tests.router_fakes import LoopbackNodes, ManualClock, generation_script, heartbeat, metric
 
 P, D = "tcp://127.0.0.1:5601", "tcp://127.0.0.1:5701"
 MODEL = "smol"
-
-
-@pytest.fixture(scope="module")
-def source(smollm_dir) -> ModelSource:
-    return ModelSource(smollm_dir, "SmolLM2-135M-Instruct")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(source):
-    return load_tokenizer(source.directory)
 
 
 @pytest.fixture

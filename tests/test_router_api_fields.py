@@ -9,25 +9,13 @@ import json
 
 import pytest
 
-from common.loader import ModelSource
 from common.messages import DecodeRequest, PrefillRequest
-from common.tokenizer import load_tokenizer
 from router.app import create_app
 from router.config import RouterConfig
 from tests.router_fakes import LoopbackNodes, ManualClock, generation_script
 from tests.test_router_api_errors import CHAT, HI, TEXT, assert_openai_error, beat, call
 
 P, D = "tcp://127.0.0.1:5601", "tcp://127.0.0.1:5701"
-
-
-@pytest.fixture(scope="module")
-def source(smollm_dir) -> ModelSource:
-    return ModelSource(smollm_dir, "SmolLM2-135M-Instruct")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(source):
-    return load_tokenizer(source.directory)
 
 
 def make_app(source, tokenizer, answer: list[int]):

@@ -10,7 +10,6 @@ from typing import Any
 import httpx
 import pytest
 
-from common.loader import ModelSource
 from common.messages import (
     Abort,
     DecodeRequest,
@@ -19,7 +18,6 @@ from common.messages import (
     RequestError,
     TokenBatch,
 )
-from common.tokenizer import load_tokenizer
 from router.app import create_app
 from router.config import RouterConfig
 from tests.router_fakes import (
@@ -35,16 +33,6 @@ P, D, C = "tcp://127.0.0.1:5601", "tcp://127.0.0.1:5701", "tcp://127.0.0.1:5801"
 CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
 HI = [{"role": "user", "content": "hi"}]
 ANSWER = " Hello world, this is a test."
-
-
-@pytest.fixture(scope="module")
-def source(smollm_dir) -> ModelSource:
-    return ModelSource(smollm_dir, "SmolLM2-135M-Instruct")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(source):
-    return load_tokenizer(source.directory)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """n > 1 in the router: several choices in one response or stream, usage summed over them, and
 a choice that ends early (stop string) stops only its own sample on the decode node."""
 
-# ruff: noqa: F811  (fixtures imported from test_router_api_fields are re-bound as arguments)
 from __future__ import annotations
 
 import pytest
@@ -11,7 +10,6 @@ from router.app import create_app
 from router.config import RouterConfig
 from tests.router_fakes import LoopbackNodes, ManualClock, heartbeat
 from tests.test_router_api_errors import CHAT, HI, TEXT, call
-from tests.test_router_api_fields import source, tokenizer  # noqa: F401
 from tests.test_router_api_generation import sse_events
 
 C = "tcp://127.0.0.1:5801"

@@ -10,9 +10,7 @@ import sys
 import httpx
 import pytest
 
-from common.loader import ModelSource
 from common.messages import Abort, MessageError, decode, encode
-from common.tokenizer import load_tokenizer
 from common.wire_auth import SIGNER, FrameSigner, SignatureError, is_loopback, require_secret_for
 from kv_transfer.frames import AbortHeader, FrameError, decode_header, encode_header
 from router.app import create_app
@@ -22,16 +20,6 @@ from tests.router_fakes import LoopbackNodes, ManualClock, generation_script, he
 
 P, D = "tcp://127.0.0.1:5601", "tcp://127.0.0.1:5701"
 KEY = "sk-test-key"
-
-
-@pytest.fixture(scope="module")
-def source(smollm_dir) -> ModelSource:
-    return ModelSource(smollm_dir, "SmolLM2-135M-Instruct")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(source):
-    return load_tokenizer(source.directory)
 
 
 @pytest.fixture

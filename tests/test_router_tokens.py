@@ -1,12 +1,12 @@
 """`/tokenize`, `/detokenize`, `/version` and the `/v1/models` card (real app, loopback nodes)."""
-# ruff: noqa: F811  (the fixtures imported from test_router_api_fields are re-bound as arguments)
+# ruff: noqa: F811  (the `app` fixture imported from test_router_api_fields is re-bound as an argument)
 
 from __future__ import annotations
 
 from transformers import AutoTokenizer
 
 from tests.test_router_api_errors import CHAT, HI, assert_openai_error, call
-from tests.test_router_api_fields import app, sent_prompt, source, tokenizer  # noqa: F401
+from tests.test_router_api_fields import app, sent_prompt  # noqa: F401
 
 
 def test_tokenize_a_prompt_and_detokenize_it_back(app, tokenizer):

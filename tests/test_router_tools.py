@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (fixtures imported from test_router_api_fields are re-bound as arguments)
 """Tool calling in the router: the parsers (Hermes/Qwen `<tool_call>` blocks, Llama 3.1 JSON),
 streamed tool-call deltas, and requests with tools through the real app (loopback nodes)."""
 
@@ -12,7 +11,7 @@ from router.protocol import ChatCompletionRequest
 from router.session import Delta
 from router.tools import ToolCallStream, ToolPlan, ToolShaper, grammar_schema, plan_tools
 from tests.test_router_api_errors import CHAT, assert_openai_error, call
-from tests.test_router_api_fields import make_app, sent_prompt, source, tokenizer  # noqa: F401
+from tests.test_router_api_fields import make_app, sent_prompt
 from tests.test_router_api_generation import sse_events
 from tests.tiny_models import QWEN_TOOL_TEMPLATE
 
