@@ -9,11 +9,7 @@
 set -uo pipefail
 OUT=${OUT:-benchmarks/results/routing_suite}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD
-fi
+source benchmarks/gpu_env.sh  # PYTHONPATH, carried wheels
 MODEL=${MODEL:-benchmarks/configs/qwen2.5-7b-instruct}
 PREFILL_BLOCKS=${PREFILL_BLOCKS:-4096}  # 65k tokens: 32 prefixes of 2048 per node
 NUM_GROUPS=${NUM_GROUPS:-48}

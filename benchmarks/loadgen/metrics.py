@@ -75,14 +75,15 @@ class SLO:
 
     def met(self, r: RequestResult) -> bool:
         """A completed request within every objective (a TPOT of None, one token, is met)."""
-        if not r.success or r.ttft is None or r.e2e is None:
+        return r.success and self.met_times(r.ttft, r.tpot, r.e2e)
+
+    def met_times(self, ttft: float | None, tpot: float | None, e2e: float | None) -> bool:
+        """Seconds within every objective; no TTFT or E2E (never finished) is a miss."""
+        if ttft is None or e2e is None or self.ttft_missed(ttft):
             return False
-        if self.ttft_missed(r.ttft):
-            return False
-        tpot = r.tpot
         if self.tpot_ms is not None and tpot is not None and tpot * 1000 > self.tpot_ms:
             return False
-        return self.e2el_ms is None or r.e2e * 1000 <= self.e2el_ms
+        return self.e2el_ms is None or e2e * 1000 <= self.e2el_ms
 
     def misses(self, completed: Iterable[RequestResult]) -> dict[str, int]:
         """How many completed requests missed each objective (one request may miss several)."""

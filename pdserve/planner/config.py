@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from common.config import _scalar_type
 
 DEFAULT_CACHE = str(Path.home() / ".cache" / "pdserve" / "planner_profiles.json")
 
@@ -99,8 +100,7 @@ class PlanConfig:
             raise ValueError(f"num_prompts must be >= 10, got {self.num_prompts}")
         if self.rate is not None and not self.rate > 0:
             raise ValueError(f"request_rate must be > 0 or max, got {self.request_rate!r}")
-        SLO.parse(self.slo)  # ValueError names a bad objective
-        if not SLO.parse(self.slo):
+        if not SLO.parse(self.slo):  # ValueError names a bad objective
             raise ValueError("give at least one objective, e.g. --slo ttft:1000 tpot:50")
         if self.validate_from < 1:
             raise ValueError(f"validate_from must be >= 1, got {self.validate_from}")
@@ -123,9 +123,7 @@ def add_plan_args(group: Any) -> None:
     """One flag per PlanConfig field; defaults stay in the dataclass (flags default to None)."""
     hints = typing.get_type_hints(PlanConfig)
     for f in dataclasses.fields(PlanConfig):
-        hint, flag = hints[f.name], "--" + f.name.replace("_", "-")
-        if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-            hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        hint, flag = _scalar_type(hints[f.name]), "--" + f.name.replace("_", "-")
         shown = " ".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
         text = f"{f.metadata['help']} (default: {shown if shown not in (None, '') else 'none'})"
         dest = f"plan__{f.name}"

@@ -132,17 +132,9 @@ def at_rate(requests: Sequence[SimRequest], rate: float) -> list[SimRequest]:
     return [replace(r, arrival=r.arrival / rate) for r in requests]
 
 
-def met(slo: SLO, ttft: float | None, tpot: float | None, e2e: float | None) -> bool:
-    if ttft is None or e2e is None or slo.ttft_missed(ttft):
-        return False
-    if slo.tpot_ms is not None and tpot is not None and tpot * 1000 > slo.tpot_ms:
-        return False
-    return slo.e2el_ms is None or e2e * 1000 <= slo.e2el_ms
-
-
 def score(result: SimResult, slo: SLO) -> tuple[int, dict[str, float], dict[str, float]]:
     """Requests meeting the SLO, and the TTFT and TPOT percentiles (ms)."""
-    good = sum(met(slo, o.ttft, o.tpot, o.e2e) for o in result.outcomes)
+    good = sum(slo.met_times(o.ttft, o.tpot, o.e2e) for o in result.outcomes)
     ttfts = [o.ttft * 1000 for o in result.outcomes if o.ttft is not None]
     tpots = [t * 1000 for o in result.outcomes if (t := o.tpot) is not None]
     return good, _percentiles(ttfts), _percentiles(tpots)

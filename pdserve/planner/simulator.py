@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from pdserve.planner.cost_model import CostModel
 from pdserve.planner.layout import Layout
-from pdserve.planner.sim_nodes import DecodeSim, PrefillSim, SimJob, StepPlan, blocks_for
+from pdserve.planner.sim_nodes import DecodeSim, PrefillSim, SimJob, StepPlan
 
 POLICIES = ("least_load", "round_robin")
 
@@ -234,8 +234,3 @@ class Simulation:
 
 def simulate(config: SimConfig, requests: Sequence[SimRequest]) -> SimResult:
     return Simulation(config).run(requests)
-
-
-def max_prompt_blocks(config: SimConfig, requests: Sequence[SimRequest]) -> int:
-    """Blocks of the longest request (prompt and output): it must fit one node's pool."""
-    return max(blocks_for(r.prompt_len + r.output_len, config.block_size) for r in requests)
