@@ -26,7 +26,10 @@ class Totals:
 
 
 def _sum(counter: Any) -> float:
-    return float(sum(counter.values.values()))
+    """A prometheus_client counter's total over all its label sets."""
+    return float(
+        sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))
+    )
 
 
 def totals(metrics: Any) -> Totals:

@@ -8,6 +8,7 @@ import re
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.metrics import NodeCollector, RouterMetrics
+from router.stats import Totals, totals
 from router.timing import TimingMarks, assemble
 from tests.router_fakes import metric
 
@@ -109,3 +110,14 @@ def test_the_exposition_parses_and_every_line_is_a_comment_or_a_sample():
     assert {"pdserve:time_to_first_token_seconds", "pdserve:node_healthy"} <= names
     for line in text.splitlines():
         assert line.startswith("# HELP ") or line.startswith("# TYPE ") or SAMPLE.match(line), line
+
+
+def test_the_stats_line_totals_read_the_prometheus_counters():
+    # The stats task starts with totals(): it raised AttributeError on prometheus_client
+    # counters, so the task died at start-up and no stats line was ever logged.
+    metrics = RouterMetrics("m")
+    assert totals(metrics) == Totals(0.0, 0.0, 0.0)
+    metrics.dispatched(12, [("tcp://p", "prefill")])
+    metrics.request_done(200, None, 5, ["length"])
+    metrics.request_done(400, None, 0)
+    assert totals(metrics) == Totals(2.0, 12.0, 5.0)
