@@ -26,7 +26,7 @@ from router.errors import OpenAIError, error_body, from_validation_errors
 from router.formatting import SSE_DONE, ResponseFormatter, sse
 from router.prepare import apply_limits, check_model, prepare_chat, prepare_completion
 from router.protocol import ChatCompletionRequest, CompletionRequest
-from router.session import Delta, Session
+from router.session import Delta, Session, merge_delta
 from router.timing import TimingMarks
 from router.tools import ToolShaper, pick_parser
 
@@ -136,12 +136,7 @@ class GenerationHandler:
         choices: dict[int, Delta] = {}
         try:
             async for delta in session.deltas():
-                delta = shaper.shape(delta)
-                whole = choices.setdefault(delta.index, Delta("", index=delta.index))
-                whole.text += delta.text
-                whole.pieces += delta.pieces
-                whole.tool_calls = (whole.tool_calls or []) + (delta.tool_calls or []) or None
-                whole.finish_reason = delta.finish_reason or whole.finish_reason
+                merge_delta(choices, shaper.shape(delta))
         except OpenAIError as exc:
             return exc.response()
         except Exception:

@@ -105,6 +105,7 @@ class Session:
         ]
         self.status: int | None = None  # final status once known (200, an error, or 499)
         self._first_seen = route.prefill is None  # PD: decode outputs wait for the FirstToken
+        self._decoding = False  # a decode output after the first token was handled
         self._early: list[TokenOutput] = []
         self._nodes_done = False  # the nodes are done with the request: nothing to abort
         self._closed = False
@@ -130,7 +131,7 @@ class Session:
                 event = await self.queue.get()
                 while True:
                     for delta in self._handle(event):
-                        _merge(ready, delta)
+                        merge_delta(ready, delta)
                     if self.finished or self.queue.empty():
                         break
                     event = self.queue.get_nowait()
@@ -189,13 +190,16 @@ class Session:
             outputs.append((0, [first], event.finished, event.finish_reason))
             early, self._early = self._early, []
         else:
-            self.core.admission.decoding(self.request_id)
+            if not self._decoding:
+                self.core.admission.decoding(self.request_id)
             if not self._first_seen:
                 self._early.append(event)  # overtook the prefill node's first token
                 return []
-            if self.route.prefill is not None:
-                # The decode node runs on its own now: losing the prefill node is harmless.
-                self.core.events.forget_node(self.request_id, self.route.prefill)
+            if not self._decoding:  # once: later events find nothing left to change
+                self._decoding = True
+                if self.route.prefill is not None:
+                    # The decode node runs on its own now: losing the prefill node is harmless.
+                    self.core.events.forget_node(self.request_id, self.route.prefill)
             early = [event]
         for output in early:
             if 0 <= output.index < len(self.choices):
@@ -263,7 +267,7 @@ class Session:
         self._nodes_done = True  # finished by the nodes, or aborted now: close() need not
 
 
-def _merge(ready: dict[int, Delta], delta: Delta) -> None:
+def merge_delta(ready: dict[int, Delta], delta: Delta) -> None:
     """Add `delta` to the one already collected for its choice (kept in arrival order)."""
     into = ready.get(delta.index)
     if into is None:
@@ -271,6 +275,7 @@ def _merge(ready: dict[int, Delta], delta: Delta) -> None:
         return
     into.text += delta.text
     into.pieces += delta.pieces
+    into.tool_calls = (into.tool_calls or []) + (delta.tool_calls or []) or None
     into.finish_reason = delta.finish_reason or into.finish_reason
 
 

@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.chat import template_tools
 from router.errors import invalid
 from router.protocol import ChatCompletionRequest
 
@@ -58,7 +59,7 @@ def plan_tools(req: ChatCompletionRequest, parser: str) -> ToolPlan | None:
         return None
     if choice == "none":
         return None
-    tools = [t.model_dump(exclude_none=True, by_alias=True) for t in req.tools]
+    tools = template_tools(req.tools)
     names = [t.function.name for t in req.tools]
     parallel = req.parallel_tool_calls is not False
     if choice is None or choice == "auto":
