@@ -184,9 +184,10 @@ class RouterCore:
             self.abort(request_id, route)
             self.events.close(request_id)
             raise OpenAIError(503, str(exc)) from None
+        prompt = prepared.prompt_token_ids  # the list route() hashed: hashing is faster on it
         if route.prefill is not None:
-            self.policies["prefill"].sent(route.prefill, ids)
-        self.policies["decode"].sent(route.decode, ids)
+            self.policies["prefill"].sent(route.prefill, prompt)
+        self.policies["decode"].sent(route.decode, prompt)
         blocks = -(-len(ids) // route.block_size)
         self.ledger.sent(request_id, route.prefill, len(ids), route.decode, blocks)
         self.admission.admitted(request_id, pd)
