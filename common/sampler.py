@@ -229,7 +229,7 @@ class Sampler:
             sub = ops.apply_penalties_(logits[plan.penalty_rows], counts, seen, rep, freq, pres)
             logits.index_copy_(0, plan.penalty_rows, sub)
         if plan.blocked is not None:
-            logits.index_put_(plan.blocked, torch.tensor(ops.NEG_INF, device=logits.device))
+            logits[plan.blocked] = ops.NEG_INF  # a scalar fill: no tensor made per step
 
     @torch.inference_mode()
     def penalized(self, logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:

@@ -99,6 +99,7 @@ class TPPoolWriter(PoolWriter):
     def __init__(self, pool: torch.Tensor, layout: TPLayout, link: StepDriver) -> None:
         super().__init__(pool, layout.kv_heads(0))
         self.layout, self.link = layout, link
+        self._other_heads = frozenset(h for r in range(1, layout.size) for h in layout.kv_heads(r))
 
     @property
     def num_heads(self) -> int:
@@ -107,8 +108,7 @@ class TPPoolWriter(PoolWriter):
     def write(self, layer: int, block_ids: list[int], head_start: int, payload: torch.Tensor):
         write_heads(self.pool, self.heads, layer, block_ids, head_start, payload)
         frame = range(head_start, head_start + payload.shape[3])
-        others = range(1, self.layout.size)
-        if any(set(frame) & set(self.layout.kv_heads(r)) for r in others):
+        if not self._other_heads.isdisjoint(frame):
             data = payload.to(self.pool.device, copy=True)  # a received buffer is read-only
             self.link.send_command({"op": "kv", "layer": layer, "blocks": list(block_ids),
                                     "head_start": head_start, "dtype": str(data.dtype),

@@ -85,6 +85,7 @@ class CudaIpcReceiver(KVReceiver):
         cancel_grace_s: float = CANCEL_GRACE_S,
     ) -> None:
         self._pool = pool
+        self._writer = PoolWriter(pool)  # the frames fallback writes through it
         self._ledger = ReceiverLedger(
             config, num_layers=pool.shape[0], num_blocks=pool.shape[2], num_heads=pool.shape[4]
         )
@@ -256,7 +257,7 @@ class CudaIpcReceiver(KVReceiver):
             self._ledger.started(request_id)
 
     def _write_layer(self, header: LayerHeader, buffer: memoryview) -> None:
-        write_layer_frame(PoolWriter(self._pool), self._ledger, header, buffer)
+        write_layer_frame(self._writer, self._ledger, header, buffer)
 
     def _send(self, identity: bytes, message: Any) -> None:
         try:
