@@ -272,8 +272,8 @@ class ModelRunner:
         return replay
 
     def _fill(self, h: HostInputs, prev_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        at = self._tensor(h.fill_at, torch.int64)
-        return at, prev_ids.index_select(0, self._tensor(h.fill_from, torch.int64))
+        at, src = self._tensor([h.fill_at, h.fill_from], torch.int64)  # one copy to the device
+        return at, prev_ids.index_select(0, src)
 
     def _forward(
         self, h: HostInputs, fill: Fill, on_layer_done: Callable[[int], None] | None

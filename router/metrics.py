@@ -34,7 +34,6 @@ LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
     1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0, 600.0,
 )  # fmt: skip
-FINISH_REASONS = ("stop", "length", "abort", "error")
 
 # Heartbeat load key -> (metric name, help). Gauges are the node's state now, counters count
 # since the node started.
@@ -132,8 +131,9 @@ class RouterMetrics:
             return
         if timing.ttft is not None:
             self.ttft.labels(name).observe(timing.ttft)
+        itl = self.itl.labels(name)
         for gap in timing.gaps:
-            self.itl.labels(name).observe(gap)
+            itl.observe(gap)
         self.e2e.labels(name).observe(timing.e2e)
         if timing.prefill_queue is not None:
             self.queue_time.labels(name).observe(timing.prefill_queue)
