@@ -35,6 +35,7 @@ from benchmarks import hf_peers  # noqa: E402
 from benchmarks.bench_messages import prefill_rows  # noqa: E402
 from benchmarks.decode_loop import LoopDriver, build_node, greedy_params, mixed_params  # noqa: E402
 from benchmarks.engine_report import plot, print_table  # noqa: E402
+from benchmarks.profiles import host_table, kernel_table  # noqa: E402
 from benchmarks.stack import pick_ports  # noqa: E402
 from common import LLM, SamplingParams  # noqa: E402
 from common.config import EngineConfig  # noqa: E402
@@ -129,7 +130,10 @@ def bench_decode_loop(args, ceil: dict | None, worker) -> list[dict]:
             batches = args.decode_batches
             for b in batches if overlap else [b for b in batches if b > 1]:
                 profile = args.profile and overlap and b == max(batches)
+                kernels = args.kernel_profile and overlap and b in (1, max(batches))
                 r = driver.run(b, args.steps, args.warmup, profile)
+                if kernels:  # a run under torch.profiler, apart from the timed one
+                    print(f"decode loop at batch {b} ({mix}), {driver.kernel_profile(b, 20)}")
                 replay = replay_time(worker, b) if overlap and mix == "greedy" else None
                 driver.drain()
                 floor = None
@@ -168,7 +172,9 @@ def replay_time(worker, batch: int) -> float | None:
     return time_fn(graphs.graphs[graphs.padded_size(batch)].replay, 20, True)
 
 
-def bench_prefill(worker, ceil: dict | None, lengths: list[int], repeats: int) -> list[dict]:
+def bench_prefill(
+    worker, ceil: dict | None, lengths: list[int], repeats: int, kernels: bool = False
+) -> list[dict]:
     spec, cuda = worker.spec, worker.device.type == "cuda"
     params = sum(p.numel() for n, p in worker.model.named_parameters() if "embed_tokens" not in n)
     wbytes = weight_bytes(worker.model)
@@ -182,6 +188,10 @@ def bench_prefill(worker, ceil: dict | None, lengths: list[int], repeats: int) -
         seq.block_ids = worker.allocator.allocate(-(-(n + 1) // worker.config.cache.block_size))
         batch = ScheduledBatch([ScheduledSeq(seq, 0, n)])
         t = time_fn(lambda batch=batch: worker.runner.execute(batch), repeats, cuda)
+        if kernels and n <= 512:
+            step = lambda batch=batch: worker.runner.execute(batch)  # noqa: E731
+            print(f"prefill of {n} tokens, {kernel_table(step, 5)}", flush=True)
+            print(f"prefill of {n} tokens, {host_table(step, 5)}", flush=True)
         worker.allocator.free(seq.block_ids)
         # Matmuls over every token (the LM head only for the last) plus causal attention.
         head = spec.vocab_size * spec.hidden_size
@@ -242,6 +252,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--compare-sync", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--profile", action="store_true", help="cProfile the loop's host side")
+    ap.add_argument("--kernel-profile", action="store_true",
+                    help="device time per kernel (torch.profiler): decode at batch 1 and the "
+                    "largest, prefill up to 512 tokens")  # fmt: skip
     ap.add_argument("--prefill-lengths", type=int, nargs="+", default=[128, 512, 2048, 8192])
     ap.add_argument("--requests", type=int, default=256, help="offline workload size")
     ap.add_argument("--prompt-range", type=int, nargs=2, default=[100, 1024])
@@ -285,7 +298,9 @@ def main() -> None:
     if "decode" in args.parts:
         result["decode"] = bench_decode_loop(args, ceil, worker)
     if "prefill" in args.parts:
-        result["prefill"] = bench_prefill(worker, ceil, args.prefill_lengths, args.repeats)
+        result["prefill"] = bench_prefill(
+            worker, ceil, args.prefill_lengths, args.repeats, args.kernel_profile
+        )
     if "throughput" in args.parts:
         reqs = workload(args, llm.engine.runtime.vocab_size)
         result["throughput"] = {f"ours_{len(reqs)}": bench_throughput(llm, reqs)}

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import zmq
 
+from benchmarks.profiles import kernel_table
 from common.config import EngineConfig
 from common.messages import DecodeRequest
 from common.node_config import NodeConfig
@@ -186,3 +187,16 @@ class LoopDriver:
             self.node._abort(rid)
         while self.node.core.has_work():
             self.node.step()
+
+    def kernel_profile(self, batch: int, steps: int) -> str:
+        """The device time per kernel over `steps` loop steps at `batch` (torch.profiler; not
+        a timed run)."""
+
+        def step() -> None:
+            self.node.step()
+            self.top_up(batch)
+
+        self.top_up(batch)
+        for _ in range(5):
+            step()
+        return kernel_table(step, steps)

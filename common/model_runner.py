@@ -23,6 +23,7 @@ import torch
 
 from common.attention import AttentionBackend, AttentionMetadata, ForwardContext
 from common.cuda_graphs import DecodeGraphs, Replay
+from common.device_copy import to_device
 from common.kv_cache import KVCache
 from common.logits_processors import LogitsProcessors
 from common.models.llama import LlamaForCausalLM
@@ -197,7 +198,7 @@ class ModelRunner:
         return h
 
     def _tensor(self, values, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        return to_device(values, dtype, self.device)
 
     def metadata(self, h: HostInputs) -> AttentionMetadata:
         width = max(len(t) for t in h.block_tables)

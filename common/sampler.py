@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from common import sampling_ops as ops
+from common.device_copy import to_device
 from common.sampling_params import SamplingParams
 from common.token_counts import TokenCounts
 
@@ -190,10 +191,10 @@ class Sampler:
         return (rows, cols) if cols else None
 
     def _ints(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+        return to_device(values, torch.int64, self.device)
 
     def _floats(self, values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32).to(self.device, non_blocking=True)
+        return to_device(values, torch.float32, self.device)
 
     # -- device: one step ---------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, plan: SamplingPlan) -> SampledRows:
@@ -224,10 +225,14 @@ class Sampler:
     def _adjust(self, logits: torch.Tensor, plan: SamplingPlan) -> None:
         """Penalties and the min_tokens mask, in place."""
         if plan.penalty_rows is not None:
-            counts, seen = self.counts.rows(plan.penalty_slots)
-            rep, freq, pres = plan.penalties.unbind(1)
-            sub = ops.apply_penalties_(logits[plan.penalty_rows], counts, seen, rep, freq, pres)
-            logits.index_copy_(0, plan.penalty_rows, sub)
+            ops.apply_penalties_to_rows_(
+                logits,
+                plan.penalty_rows,
+                plan.penalty_slots,
+                self.counts.counts,
+                self.counts.prompt_seen,
+                plan.penalties,
+            )
         if plan.blocked is not None:
             logits[plan.blocked] = ops.NEG_INF  # a scalar fill: no tensor made per step
 
@@ -247,11 +252,13 @@ class Sampler:
         x.div_(temperature.unsqueeze(1))
         if plan.k_max:
             ops.top_k_mask_(x, plan.top_k, plan.k_max)
-        if plan.uses_top_p:
-            ops.top_p_mask_(x, top_p)
-        if plan.uses_min_p:
-            ops.min_p_mask_(x, min_p)
-        return ops.race(x, plan.row_keys, self.salts)
+        return ops.filtered_race(
+            x,
+            top_p if plan.uses_top_p else None,
+            min_p if plan.uses_min_p else None,
+            plan.row_keys,
+            self.salts,
+        )
 
     def _end(self, plan: SamplingPlan) -> None:
         for request_id in plan.ephemeral:

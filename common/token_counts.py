@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from common.device_copy import to_device
 from common.sampling_params import SamplingParams
 from common.sequence import PLACEHOLDER
 
@@ -50,17 +51,13 @@ class TokenCounts:
         self.counts[slot].zero_()
         self.prompt_seen[slot].zero_()
         if output:
-            ids = torch.tensor(list(output), dtype=torch.int64).to(self.device)
+            ids = to_device(list(output), torch.int64, self.device)
             ones = torch.ones(len(output), dtype=torch.int32, device=self.device)
             self.counts[slot].index_put_((ids,), ones, accumulate=True)
         if prompt and params.repetition_penalty != 1.0:
-            ids = torch.tensor(list(prompt), dtype=torch.int64).to(self.device)
+            ids = to_device(list(prompt), torch.int64, self.device)
             self.prompt_seen[slot, ids] = True
         return slot
-
-    def rows(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(counts, prompt_seen) of these rows, [P, V] each (copies)."""
-        return self.counts[slots], self.prompt_seen[slots]
 
     def add(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Count one sampled token per row (on the device; slots are distinct)."""

@@ -54,3 +54,46 @@ def test_top_p_kernel_keeps_the_reference_nucleus(top_p):
         kept = torch.nonzero(probs[row] >= ours[row]).flatten().tolist()
         expected = torch.nonzero(probs[row] >= reference[row]).flatten().tolist()
         assert kept == expected, row
+
+
+def test_top_p_kernel_rows_do_not_depend_on_their_neighbours():
+    torch.manual_seed(2)
+    probs = (torch.randn(5, 9000) * 3).softmax(dim=-1).to(DEVICE)  # rows over two chunks
+    limit = torch.tensor([0.3, 0.6, 0.9, 0.95, 0.7], device=DEVICE)
+    together = sampling.top_p_threshold(probs, limit)
+    alone = sampling.top_p_threshold(probs[2:3].contiguous(), limit[2:3])
+    assert together[2].item() == alone[0].item()
+
+
+def test_race_floor_drops_the_tokens_below_it():
+    torch.manual_seed(3)
+    probs = (torch.randn(4, 9000) * 2).softmax(dim=-1).to(DEVICE)
+    row_keys = keys(4)
+    floor = probs.amax(dim=1) * torch.tensor([0.0, 0.2, 0.5, 1.0], device=DEVICE)
+    masked = torch.where(probs >= floor.unsqueeze(1), probs, 0.0)
+    expected = sampling.race(masked, row_keys)  # a cut by zeroing, the same race
+    chosen = sampling.race(probs, row_keys, floor)
+    assert chosen.tolist() == expected.tolist()
+    assert chosen[3].item() == probs[3].argmax().item()  # floor at the peak: only the top token
+    assert (probs.gather(1, chosen.unsqueeze(1)).squeeze(1) >= floor).all()
+
+
+def test_penalty_kernel_matches_the_reference_in_place_on_its_rows():
+    torch.manual_seed(4)
+    vocab = 9000
+    logits = torch.randn(6, vocab).to(DEVICE)
+    counts = torch.randint(0, 3, (4, vocab), dtype=torch.int32).to(DEVICE)
+    seen = (torch.rand(4, vocab) < 0.1).to(DEVICE)
+    rows = torch.tensor([4, 1, 2], device=DEVICE)
+    slots = torch.tensor([0, 3, 1], device=DEVICE)
+    penalties = torch.tensor([[1.2, 0.3, 0.1], [0.8, 0.0, 0.5], [1.0, 0.5, 0.0]], device=DEVICE)
+    expected = logits.clone()
+    rep, freq, pres = penalties.unbind(1)
+    expected[rows] = ops.apply_penalties_(
+        expected[rows], counts[slots], seen[slots], rep, freq, pres
+    )
+    ours = logits.clone()
+    sampling.apply_penalties_(ours, rows, slots, counts, seen, penalties)
+    torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-6)
+    untouched = [0, 3, 5]
+    assert torch.equal(ours[untouched], logits[untouched])

@@ -1,0 +1,21 @@
+"""Small host values to the device without making the host wait for the device.
+
+A blocking `.to("cuda")` waits for every kernel queued before it, and a non-blocking one from
+pageable memory goes through the driver's staging buffer, which can wait too. Either one, made
+while a step is in flight, stalls the overlapped loop until that step ends. A page-locked
+copy (PyTorch's caching host allocator keeps the block until the copy has run) lets the host
+queue the next step's inputs and get on with the previous step's outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` (a list, nested lists, a numpy array) as a tensor on `device`, queued on the
+    current stream without a host sync on CUDA."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
