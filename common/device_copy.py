@@ -15,7 +15,11 @@ import torch
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`values` (a list, nested lists, a numpy array) as a tensor on `device`, queued on the
     current stream without a host sync on CUDA."""
-    host = torch.tensor(values, dtype=dtype)
+    return to_device_from(torch.tensor(values, dtype=dtype), device)
+
+
+def to_device_from(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor's copy on `device`, as `to_device`."""
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

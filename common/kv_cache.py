@@ -44,13 +44,11 @@ class KVCache:
     def padding_slot(self) -> int:
         return self.num_blocks * self.block_size
 
-    @property
-    def k_caches(self) -> list[torch.Tensor]:
-        return [self.pool[layer, 0] for layer in range(self.pool.shape[0])]
-
-    @property
-    def v_caches(self) -> list[torch.Tensor]:
-        return [self.pool[layer, 1] for layer in range(self.pool.shape[0])]
+    def __post_init__(self) -> None:
+        # Per-layer views, made once: the prefill graphs index them on every layer of a step.
+        layers = range(self.pool.shape[0])
+        self.k_caches: list[torch.Tensor] = [self.pool[layer, 0] for layer in layers]
+        self.v_caches: list[torch.Tensor] = [self.pool[layer, 1] for layer in layers]
 
 
 def block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:

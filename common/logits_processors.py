@@ -10,8 +10,9 @@ before its mask is filled (so `EngineCore` runs steps synchronously while a gram
 in the scheduler: no placeholder tokens), so it needs no hook after sampling, and a request whose first
 tokens were sampled in another process (the decode node after the prefill node's first token)
 resumes by replaying them: the grammar spec travels in the sampling params, the tokens with
-the request. Masks are filled on the host (xgrammar's matchers are CPU state) into one int32
-bitmask for the batch, which goes to the device in one copy and is applied there in place.
+the request. Masks are filled on the host (xgrammar's matchers are CPU state; one call fills
+the batch's rows on a pool of threads) into one int32 bitmask for the batch, which goes to the
+device in one copy and is applied there in place.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from common.device_copy import to_device_from
 from common.sampling_params import SamplingParams
 from common.sequence import PLACEHOLDER, Sequence
 
@@ -56,6 +58,7 @@ class LogitsProcessors:
         self._compiler: Any = None  # built on the first structured request
         self._grammars: dict[str, Any] = {}
         self._matchers: dict[str, tuple[Any, int]] = {}  # request id -> (matcher, tokens fed)
+        self._batch: Any = None  # xgrammar's BatchGrammarMatcher, built on first use
 
     def check(self, params: SamplingParams) -> None:
         """Compile the request's grammar now (admission), so a bad one fails only itself."""
@@ -83,14 +86,17 @@ class LogitsProcessors:
         import xgrammar as xgr
 
         bitmask = xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
-        applied = []
+        applied, matchers = [], []
         for row in rows:
             matcher = self._caught_up(seqs[row])
             if matcher is not None and not matcher.is_terminated():
-                matcher.fill_next_token_bitmask(bitmask, row)
+                matchers.append(matcher)
                 applied.append(row)
         if applied:
-            mask = bitmask.to(logits.device, non_blocking=True)
+            if self._batch is None:  # fills the rows' masks on a pool of threads
+                self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=applied)
+            mask = to_device_from(bitmask, logits.device)
             xgr.apply_token_bitmask_inplace(
                 logits, mask, vocab_size=min(self.vocab_size, logits.shape[1]), indices=applied
             )

@@ -102,6 +102,7 @@ class Sampler:
         self.vocab_size, self.device = vocab_size, device
         self.salts = ops.token_salts(vocab_size, device)
         self.counts = TokenCounts(vocab_size, device)
+        self._neg_inf = torch.tensor(ops.NEG_INF, device=device)
         self._keys: dict[str, int] = {}
         self._ephemeral = 0
 
@@ -234,7 +235,9 @@ class Sampler:
                 plan.penalties,
             )
         if plan.blocked is not None:
-            logits[plan.blocked] = ops.NEG_INF  # a scalar fill: no tensor made per step
+            # index_put_ of a device scalar: assigning a Python float would copy it to the
+            # device and wait for the step in flight.
+            logits.index_put_(plan.blocked, self._neg_inf)
 
     @torch.inference_mode()
     def penalized(self, logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:

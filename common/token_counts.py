@@ -50,19 +50,21 @@ class TokenCounts:
         slot = self._slots[request_id] = self._free.pop()
         self.counts[slot].zero_()
         self.prompt_seen[slot].zero_()
+        # Only queued device work from here: no host sync while a step is in flight (a Python
+        # scalar assigned through a tensor index would copy it to the device and wait).
         if output:
             ids = to_device(list(output), torch.int64, self.device)
             ones = torch.ones(len(output), dtype=torch.int32, device=self.device)
-            self.counts[slot].index_put_((ids,), ones, accumulate=True)
+            self.counts[slot].scatter_add_(0, ids, ones)
         if prompt and params.repetition_penalty != 1.0:
             ids = to_device(list(prompt), torch.int64, self.device)
-            self.prompt_seen[slot, ids] = True
+            self.prompt_seen[slot].index_fill_(0, ids, True)
         return slot
 
     def add(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Count one sampled token per row (on the device; slots are distinct)."""
         ones = torch.ones(slots.shape[0], dtype=torch.int32, device=self.device)
-        self.counts.index_put_((slots, token_ids), ones, accumulate=True)
+        self.counts.view(-1).scatter_add_(0, slots * self.vocab_size + token_ids, ones)
 
     def release(self, request_id: str) -> None:
         slot = self._slots.pop(request_id, None)
