@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import multiprocessing as mp
 import sys
 import tempfile
 import time
@@ -130,6 +131,25 @@ def check_equality(args) -> dict:
     return result
 
 
+def check_in_child(args) -> dict:
+    """`check_equality` in a child process: a process joins one NCCL group only (groups whose
+    collectives were captured in graphs are not destroyed: `TPGroup.close`), and the decode
+    benchmark's worker needs its own."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=_check_into, args=(args, results))
+    child.start()
+    try:
+        result = results.get(timeout=900)  # a child that died raises queue.Empty here
+    finally:
+        child.join(timeout=60)
+    return result
+
+
+def _check_into(args, results) -> None:
+    results.put(check_equality(args))
+
+
 def print_table(rows: list[dict], check: dict | None) -> None:
     print(f"\n{'tp':>3} {'batch':>6} {'step ms':>8} {'hbm ms':>7} {'comm ms':>8} {'ratio':>6}")
     for r in rows:
@@ -175,7 +195,7 @@ def main() -> None:
     ceil = None if args.smoke else measure_ceilings()
     peer = None if args.smoke else peer_bandwidth()
     print("ceilings:", ceil, "peer copy bytes/s:", peer, flush=True)
-    check = None if args.no_check else check_equality(args)
+    check = None if args.no_check else check_in_child(args)
     rows = bench_decode(args, ceil, peer)
     out = Path(args.out).with_suffix(".json")
     out.parent.mkdir(parents=True, exist_ok=True)
