@@ -89,6 +89,8 @@ def bench_decode(args, ceil: dict | None, peer: float | None) -> list[dict]:
         driver = LoopDriver(node, prefill, args.context, args.min_new, args.max_new)
         for batch in args.batches:
             r = driver.run(batch, args.steps, args.warmup)
+            if args.kernel_profile:  # rank 0's kernels, apart from the timed run
+                print(f"rank 0 at batch {batch}, {driver.kernel_profile(batch, 20)}", flush=True)
             driver.drain()
             row = {"tp": args.tp, "batch": batch, "context": args.context, "step_s": r.step_s,
                    "mean_running": r.mean_running, "mean_context": r.mean_context}  # fmt: skip
@@ -177,6 +179,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--check-tokens", type=int, default=32, help="greedy tokens compared")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--kernel-profile", action="store_true", help="rank 0's device time per kernel")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny sizes")
     ap.add_argument("--out", default="benchmarks/results/tp")
     args = ap.parse_args()
