@@ -5,7 +5,8 @@
 # prints its goodput tables last.
 #   bash benchmarks/serving_gpu_suite.sh [single] [pairs_long] [pairs_chat] [four_long]
 #   single      1 GPU: 1c on long-prompt, then 1p1d sharing the GPU (a PD smoke test under load)
-#   pairs_*     4 GPUs: 1p1d on GPUs 0,1 and 2c on GPUs 2,3 side by side (two 2-GPU sweeps)
+#   pairs_*     4 GPUs: 1p1d on GPUs 0,1 and 2c on GPUs 2,3 side by side (two 2-GPU sweeps);
+#               on 2 GPUs, the two sweeps one after the other
 #   four_long   4 GPUs: the layouts of FOUR_LAYOUTS (default 4c 3p1d 2p2d 1p3d), one sweep each
 # Knobs (environment): MODEL, LONG_RATES, CHAT_RATES (per GPU; RATES_<layout>, e.g. RATES_3p1d,
 # overrides them for one layout), DURATION, CHAT_DURATION, LONG_SLO / LONG_STOP_SLO /
@@ -78,11 +79,18 @@ for step in $steps; do
       else
         dataset=chat slo=$CHAT_SLO stop=$CHAT_STOP_SLO rates=$CHAT_RATES duration=$CHAT_DURATION
       fi
-      sweep "$WORK/${step}_1p1d" "$dataset" "$slo" "$stop" "$(rates_for 1p1d "$rates")" \
-        "$duration" --layouts 1p1d --gpus 0,1 &
-      sweep "$WORK/${step}_2c" "$dataset" "$slo" "$stop" "$(rates_for 2c "$rates")" \
-        "$duration" --layouts 2c --gpus 2,3 &
-      wait
+      if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then  # side by side
+        sweep "$WORK/${step}_1p1d" "$dataset" "$slo" "$stop" "$(rates_for 1p1d "$rates")" \
+          "$duration" --layouts 1p1d --gpus 0,1 &
+        sweep "$WORK/${step}_2c" "$dataset" "$slo" "$stop" "$(rates_for 2c "$rates")" \
+          "$duration" --layouts 2c --gpus 2,3 &
+        wait
+      else  # 2 GPUs: one after the other on GPUs 0,1
+        sweep "$WORK/${step}_1p1d" "$dataset" "$slo" "$stop" "$(rates_for 1p1d "$rates")" \
+          "$duration" --layouts 1p1d --gpus 0,1
+        sweep "$WORK/${step}_2c" "$dataset" "$slo" "$stop" "$(rates_for 2c "$rates")" \
+          "$duration" --layouts 2c --gpus 0,1
+      fi
       # shellcheck disable=SC2086
       python3 benchmarks/sweep_layouts.py --plot-only "$WORK/${step}_1p1d" "$WORK/${step}_2c" \
         --slo $slo --extra-slo $stop --out "$WORK/$step" 2>&1 | tail -12
