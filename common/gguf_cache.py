@@ -47,25 +47,42 @@ def _save_plain_checkpoint(model, folder: Path) -> None:
     save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
 
 
+def _cast_checkpoint(source: Path, folder: Path, dtype: str) -> None:
+    """`source` (a float32 conversion) with its floating tensors cast to `dtype`: the values a
+    conversion straight to `dtype` gives (transformers dequantizes to float32, then casts),
+    without parsing the GGUF file again."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    for item in source.iterdir():
+        if item.name not in ("model.safetensors", "config.json"):
+            shutil.copy2(item, folder / item.name)
+    config = json.loads((source / "config.json").read_text())
+    for key in ("dtype", "torch_dtype"):
+        if key in config:
+            config[key] = dtype
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    target = getattr(torch, dtype)
+    state = load_file(str(source / "model.safetensors"))
+    cast = {k: v.to(target) if v.is_floating_point() else v for k, v in state.items()}
+    save_file(cast, str(folder / "model.safetensors"))
+
+
 def materialize_gguf(gguf_path: Path, dtype: str = "float32") -> Path:
-    """Return an HF model directory holding `gguf_path`'s weights dequantized to `dtype`."""
+    """Return an HF model directory holding `gguf_path`'s weights dequantized to `dtype`.
+    Another dtype than float32 is cast from the float32 conversion when that one is cached."""
     target = cached_hf_dir(gguf_path, dtype)
     if (target / "config.json").exists():
         return target
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder, name = str(gguf_path.parent), gguf_path.name
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=getattr(torch, dtype)
-    )
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    float32 = cached_hf_dir(gguf_path, "float32")
     target.parent.mkdir(parents=True, exist_ok=True)
     # Write into a temporary sibling and rename, so concurrent processes never see half a dir.
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
     try:
-        _save_plain_checkpoint(model, staging)
-        tokenizer.save_pretrained(staging)
+        if dtype != "float32" and (float32 / "config.json").exists():
+            _cast_checkpoint(float32, staging, dtype)
+        else:
+            _convert(gguf_path, staging, dtype)
         os.replace(staging, target)
     except OSError:
         if not (target / "config.json").exists():
@@ -73,3 +90,16 @@ def materialize_gguf(gguf_path: Path, dtype: str = "float32") -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _convert(gguf_path: Path, folder: Path, dtype: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, name = str(gguf_path.parent), gguf_path.name
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=name, dtype=getattr(torch, dtype)
+    )
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    _save_plain_checkpoint(model, folder)
+    tokenizer.save_pretrained(folder)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from huggingface_hub import constants
 
 from common.hub import ModelNotFound, looks_like_hub_id
@@ -47,14 +48,28 @@ def test_a_path_that_is_neither_file_nor_directory_is_model_not_found(tmp_path):
 
 
 def test_gguf_is_converted_to_the_serving_dtype(tmp_path, monkeypatch):
+    """bfloat16 from the cached float32 conversion (the session's, linked into a fresh cache):
+    the same tensors cast, the same other files, the config's dtype changed."""
     from safetensors import safe_open
 
     from common.embedded import embedded_gguf_path
 
+    gguf = str(embedded_gguf_path())
+    float32 = resolve_model(gguf).directory
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
-    directory = resolve_model(str(embedded_gguf_path()), dtype="bfloat16").directory
-    assert directory.name.endswith("-bfloat16")
-    with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
-        dtypes = {str(f.get_tensor(name).dtype) for name in f.keys()}
-    assert dtypes == {"torch.bfloat16"}
-    assert json.loads((directory / "config.json").read_text())["vocab_size"] == 49152
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / float32.name).symlink_to(float32)
+    directory = resolve_model(gguf, dtype="bfloat16").directory
+    assert directory.name.endswith("-bfloat16") and directory.parent == tmp_path / "gguf"
+    with (
+        safe_open(str(directory / "model.safetensors"), framework="pt") as ours,
+        safe_open(str(float32 / "model.safetensors"), framework="pt") as source,
+    ):
+        assert set(ours.keys()) == set(source.keys())
+        for name in ours.keys():
+            tensor = ours.get_tensor(name)
+            assert tensor.dtype == torch.bfloat16, name
+            assert torch.equal(tensor, source.get_tensor(name).to(torch.bfloat16)), name
+    config = json.loads((directory / "config.json").read_text())
+    assert config["vocab_size"] == 49152 and config["dtype"] == "bfloat16"
+    assert sorted(p.name for p in directory.iterdir()) == sorted(p.name for p in float32.iterdir())
