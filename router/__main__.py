@@ -11,6 +11,8 @@ import uvicorn
 from common.wire_auth import require_secret_for
 from router.config import build_parser, config_from_args
 
+KEEP_ALIVE_S = 30
+
 
 def main(argv: Sequence[str] | None = None) -> None:
     try:
@@ -32,6 +34,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         log_level=config.log_level.lower(),
         access_log=config.access_log,
         timeout_graceful_shutdown=3,
+        # Longer than the idle expiry of the usual clients (httpx and the openai client: 5 s,
+        # aiohttp: 15 s): a server that closes an idle connection at the moment the client
+        # reuses it fails that request with a connection error (seen under load at 5 s).
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
 
 

@@ -36,6 +36,7 @@ from benchmarks.loadgen.metrics import SLO
 from benchmarks.loadgen.workloads import RequestSpec
 
 START_DELAY_S = 0.5  # client processes start, then all begin at one shared moment
+KEEP_ALIVE_S = 2.0  # idle client connections close after this (see _send_all)
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,11 @@ def _worker(target, share, start_at, config, concurrency, shared, queue) -> list
 
 async def _send_all(target, share, start_at, config, concurrency, shared) -> list[dict]:
     rule = config.stop_when_missed
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # Idle connections expire here before any server's keep-alive closes them (uvicorn: 5 s by
+    # default): a request sent on a connection the server is closing fails with a ReadError.
+    limits = httpx.Limits(
+        max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEP_ALIVE_S
+    )
     timeout = httpx.Timeout(target.request_timeout_s, connect=30.0)
     slots = asyncio.Semaphore(concurrency) if concurrency else None
     results = [RequestResult(index=i, scheduled=offset) for i, offset, _ in share]
