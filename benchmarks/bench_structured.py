@@ -45,7 +45,7 @@ TINY = dict(
 
 def model_dir(args: argparse.Namespace, work: Path) -> Path:
     """A directory with the config and a tokenizer (copied in when the model has none)."""
-    from common.loader import resolve_model
+    from common.model_source import resolve_model
 
     target = work / "model"
     target.mkdir()

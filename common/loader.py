@@ -1,27 +1,20 @@
-"""Find a checkpoint, read its spec, build our model and fill its weights.
-
-Sources: an HF directory (config.json + *.safetensors, sharded or not), a hub id (`org/name`)
-whose snapshot is in the local Hugging Face cache (`common/hub.py`), a GGUF file (through
-transformers, converted once to the serving dtype and cached as an HF directory), the embedded
-SmolLM2 GGUF when no model is named, or `load_format="dummy"`: random weights from a
-config.json alone, for benchmarks.
+"""Build our model for a resolved checkpoint (`common/model_source.py`) and fill its weights:
+from an HF directory (*.safetensors, sharded or not; a GGUF file arrives as its cached
+conversion), or `load_format="dummy"`: random weights from a config.json alone, for
+benchmarks.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from common.distributed import TPGroup
-from common.embedded import embedded_gguf_path
-from common.gguf_cache import materialize_gguf
-from common.hub import ModelNotFound, cached_snapshot, looks_like_hub_id
+from common.model_source import ModelSource
 from common.model_spec import ModelSpec
 from common.models.llama import STACKED_PARAMS, LlamaForCausalLM
 from common.parallel import TPLayout, rank_spec
@@ -30,59 +23,6 @@ from common.sharding import Sharder, dummy_full_tensors
 log = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "dummy")
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """A resolved checkpoint: an HF-style directory (for GGUF, the cached conversion)."""
-
-    directory: Path
-    name: str  # what /v1/models reports
-
-
-def resolve_model(model: str | None, dtype: str = "float32") -> ModelSource:
-    """The checkpoint `model` names. `dtype` is the serving dtype: a GGUF file is converted to
-    it (once per file and dtype). Raises `ModelNotFound` (a ValueError) with one line that says
-    where it looked and what to do."""
-    if model is None:
-        gguf = embedded_gguf_path()
-        return ModelSource(materialize_gguf(gguf, dtype), "SmolLM2-135M-Instruct")
-    path = Path(model).expanduser()
-    name = path.name
-    if not path.exists() and looks_like_hub_id(model):
-        path, name = cached_snapshot(model), model
-    if path.is_file() and path.suffix == ".gguf":
-        return ModelSource(materialize_gguf(path, dtype), path.stem)
-    if path.is_file() and path.name == "config.json":
-        path = path.parent
-    if not path.is_dir():
-        raise ModelNotFound(
-            f"model {model!r} is not a directory, a config.json, a .gguf file or a hub id "
-            "(org/name) in the Hugging Face cache"
-        )
-    if not (path / "config.json").exists():
-        ggufs = sorted(path.glob("*.gguf"))
-        if ggufs:
-            return ModelSource(materialize_gguf(ggufs[0], dtype), name)
-        raise ModelNotFound(f"model directory {path} has no config.json")
-    return ModelSource(path, name)
-
-
-def read_spec(source: ModelSource) -> ModelSpec:
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(source.directory)
-    return ModelSpec.from_hf_config(config, eos_token_ids=_generation_eos_ids(source.directory))
-
-
-def _generation_eos_ids(directory: Path) -> tuple[int, ...]:
-    path = directory / "generation_config.json"
-    if not path.exists():
-        return ()
-    eos = json.loads(path.read_text()).get("eos_token_id")
-    if eos is None:
-        return ()
-    return (eos,) if isinstance(eos, int) else tuple(eos)
 
 
 def build_model(

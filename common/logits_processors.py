@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -51,7 +52,10 @@ def check_structured(spec: dict[str, Any]) -> None:
 
 
 class LogitsProcessors:
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Seq[int]) -> None:
+    def __init__(
+        self, tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: Seq[int]
+    ) -> None:
+        # Called for the first grammar: a node loads its tokenizer only if it needs one.
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
@@ -158,10 +162,11 @@ class LogitsProcessors:
         if self._compiler is None:
             import xgrammar as xgr
 
-            if self.tokenizer is None:
+            tokenizer = self.tokenizer()
+            if tokenizer is None:
                 raise ValueError("structured outputs need the model's tokenizer")
             info = xgr.TokenizerInfo.from_huggingface(
-                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
+                tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
             )
             self._compiler = xgr.GrammarCompiler(info)
         return self._compiler

@@ -11,6 +11,7 @@ the same number of blocks on every rank (the smallest any rank can hold).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -26,10 +27,11 @@ from common.config import EngineConfig
 from common.cuda_graphs import STAGING_DEPTH
 from common.distributed import TPGroup
 from common.kv_cache import DEFAULT_CPU_KV_BYTES, KVCache, gpu_kv_budget, num_blocks_for_budget
-from common.loader import ModelSource, build_model, read_spec, resolve_model
+from common.loader import build_model
 from common.logits_processors import LogitsProcessors
 from common.memory_probe import graph_margin, step_peak_bytes
 from common.model_runner import ModelRunner
+from common.model_source import ModelSource, read_spec, resolve_model
 from common.model_spec import ModelSpec
 from common.parallel import TPLayout, rank_spec
 from common.sampling_params import SamplingParams
@@ -139,7 +141,6 @@ class Worker:
             seed=mc.seed,
             tp=self.tp,
         )
-        self.tokenizer = load_tokenizer(self.source.directory)
         backend_name, why = choose_backend(config.attention_backend, self.device, cc.block_size)
         log.info("attention backend: %s (%s)", backend_name, why)
         self.backend = create_backend(backend_name)
@@ -153,7 +154,7 @@ class Worker:
         if self.tp.size > 1 and self.tp.is_driver:
             self.runner.link = StepDriver(self.tp, self.device)
         self.runner.logits_processors = LogitsProcessors(
-            self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids
+            lambda: self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids
         )
         max_model_len = min(max_len, num_blocks * cc.block_size)
         graph_bytes = prefill_graph_bytes = 0
@@ -181,6 +182,12 @@ class Worker:
             tp=self.tp.size,
         )
         log.info("worker ready (rank %d of %d): %s", self.tp.rank, self.tp.size, self.runtime)
+
+    @functools.cached_property
+    def tokenizer(self) -> Any | None:
+        """The model's HF tokenizer (None when it ships none), loaded on first use: a node
+        needs it only for grammars, and importing transformers costs seconds of CPU."""
+        return load_tokenizer(self.source.directory)
 
     def follow(self, handler: RankHandler | None = None) -> None:
         """A rank > 0: run rank 0's steps until it says stop; `handler` acts on its commands

@@ -29,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.serve_parser.error(str(exc))
     gpus = gpu_count()
     dtype = serving_dtype(configs.engines["decode"], gpus)
-    from common.loader import resolve_model  # imports torch: only once the flags are good
+    from common.model_source import resolve_model
 
     try:
         source = resolve_model(configs.launch.model, dtype=dtype)
@@ -62,7 +62,7 @@ def check_tp(source, sizes: list[int]) -> None:
     KV heads and MLP must divide), before any process starts."""
     if max(sizes) == 1:
         return
-    from common.loader import read_spec
+    from common.model_source import read_spec
     from common.parallel import TPLayout
 
     spec = read_spec(source)

@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from common.loader import ModelSource, resolve_model
+from common.model_source import ModelSource, resolve_model
 from common.tokenizer import load_tokenizer
 from router import gateway
 from router.config import RouterConfig

@@ -11,7 +11,7 @@ torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
 
 @pytest.fixture(scope="session")
 def smollm_dir():
-    from common.loader import resolve_model
+    from common.model_source import resolve_model
 
     return resolve_model(None).directory
 

@@ -10,7 +10,7 @@ import torch
 from huggingface_hub import constants
 
 from common.hub import ModelNotFound, looks_like_hub_id
-from common.loader import resolve_model
+from common.model_source import resolve_model
 from tests.tiny_models import hub_cache_layout, save_tiny_tool_model
 
 

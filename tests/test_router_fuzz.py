@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from common.loader import ModelSource
+from common.model_source import ModelSource
 from common.tokenizer import load_tokenizer
 from router.app import create_app
 from router.config import RouterConfig

@@ -84,13 +84,13 @@ def test_the_race_never_draws_a_masked_token_even_when_its_noise_is_the_largest(
 def test_a_matcher_resumed_from_the_tokens_so_far_masks_like_the_original(tiny_llm):
     """The decode node's case: the prefill node sampled the first tokens under the grammar."""
     tokenizer, spec = tiny_llm.tokenizer, tiny_llm.engine.worker.spec
-    first = LogitsProcessors(tokenizer, spec.vocab_size, spec.eos_token_ids)
+    first = LogitsProcessors(lambda: tokenizer, spec.vocab_size, spec.eos_token_ids)
     seq = Sequence("r", [1, 2], SamplingParams(structured=STRUCTURED))
     generator = torch.Generator().manual_seed(0)
     for _ in range(6):
         logits = first.apply(torch.randn(1, spec.vocab_size, generator=generator), [seq])
         seq.output_token_ids.append(int(logits.argmax()))
-    resumed = LogitsProcessors(tokenizer, spec.vocab_size, spec.eos_token_ids)
+    resumed = LogitsProcessors(lambda: tokenizer, spec.vocab_size, spec.eos_token_ids)
     copy = Sequence("r", [1, 2], seq.params, output_token_ids=list(seq.output_token_ids))
     raw = torch.randn(1, spec.vocab_size, generator=generator)
     expected = torch.isinf(first.apply(raw.clone(), [seq]))

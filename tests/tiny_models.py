@@ -58,7 +58,7 @@ def save_tiny_tool_model(directory: Path, seed: int = 0) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
 
-    from common.loader import resolve_model
+    from common.model_source import resolve_model
     from common.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model(None).directory)

@@ -63,7 +63,7 @@ def device_name(device: torch.device) -> str:
 
 def profile_key(config: EngineConfig, tp: int = 1) -> ProfileKey:
     """The key of the profile `config` would produce, without loading any weights."""
-    from common.loader import resolve_model
+    from common.model_source import resolve_model
     from common.worker import pick_device, pick_dtype
 
     device = pick_device(config.model.device)
