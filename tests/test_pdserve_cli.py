@@ -206,3 +206,16 @@ def test_a_tp_size_the_model_cannot_split_is_one_line_and_exit_code_2(capsys):
     # the embedded SmolLM2 has 9 query heads and 3 KV heads: TP 3 splits it, TP 2 does not
     assert main(["serve", "--decode-tp", "2", "--health-timeout", "1"]) == 2
     assert "tp=2 does not divide num_heads=9" in capsys.readouterr().err
+
+
+def test_plan_help_lists_every_planner_flag():
+    """`pdserve plan --help` renders (a help text with a bare % once made argparse raise)."""
+    from pdserve.planner.config import PlanConfig
+
+    result = subprocess.run(
+        [sys.executable, "-m", "pdserve", "plan", "--help"], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    for f in dataclasses.fields(PlanConfig):
+        assert "--" + f.name.replace("_", "-") in result.stdout, f.name
+    assert ">85% busy" in result.stdout

@@ -51,7 +51,11 @@ class PlanConfig:
     profile_decode_contexts: tuple[int, ...] = _f((256, 1024, 4096), "profiled decode contexts")
     profile_repeats: int = _f(3, "measurements per prefill point (median)")
     layouts: tuple[str, ...] = _f((), "only these layouts (XpYd, Nc); default: every one")
-    tp_sizes: tuple[int, ...] = _f((1,), "TP sizes per pool to consider (each needs a profile)")
+    tp_sizes: tuple[int, ...] = _f(
+        (1,),
+        "TP sizes per pool to consider; the profiler measures TP 1 only, other sizes "
+        "need a cached profile",
+    )
     search_prefill_tokens: tuple[int, ...] = _f(
         (1024, 2048, 4096), "prefill --max-num-batched-tokens tried"
     )
@@ -126,6 +130,7 @@ def add_plan_args(group: Any) -> None:
         hint, flag = _scalar_type(hints[f.name]), "--" + f.name.replace("_", "-")
         shown = " ".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
         text = f"{f.metadata['help']} (default: {shown if shown not in (None, '') else 'none'})"
+        text = text.replace("%", "%%")  # argparse formats help strings with %
         dest = f"plan__{f.name}"
         if hint is bool:
             group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, help=text)

@@ -118,7 +118,10 @@ def _profile(config: PlanConfig, setup: Setup, tp: int) -> Profile:
         print(f"profile from {cache.path} ({key.device}, {key.dtype}, TP {tp}, {cached.created})")
         return cached
     if tp != 1:
-        raise ValueError(f"no cached profile for TP {tp} and this engine profiles TP 1 only: {key}")
+        raise ValueError(
+            f"--tp-sizes {tp}: the planner profiles TP 1 only (nodes run any TP size, the "
+            f"profiler does not yet) and no TP {tp} profile is cached for {key}"
+        )
     grid = ProfileGrid(
         config.profile_prefill_tokens, config.profile_chunk_contexts, config.profile_chunk_tokens,
         config.profile_decode_batches, config.profile_decode_contexts,
