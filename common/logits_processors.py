@@ -53,10 +53,10 @@ def check_structured(spec: dict[str, Any]) -> None:
 
 class LogitsProcessors:
     def __init__(
-        self, tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: Seq[int]
+        self, load_tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: Seq[int]
     ) -> None:
         # Called for the first grammar: a node loads its tokenizer only if it needs one.
-        self.tokenizer = tokenizer
+        self.load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._compiler: Any = None  # built on the first structured request
@@ -162,7 +162,7 @@ class LogitsProcessors:
         if self._compiler is None:
             import xgrammar as xgr
 
-            tokenizer = self.tokenizer()
+            tokenizer = self.load_tokenizer()
             if tokenizer is None:
                 raise ValueError("structured outputs need the model's tokenizer")
             info = xgr.TokenizerInfo.from_huggingface(
