@@ -17,6 +17,7 @@ request) / copy bandwidth. Prints a table last; writes <out>.json (and <out>.png
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import itertools
 import json
@@ -189,7 +190,7 @@ def bench_prefill(
         batch = ScheduledBatch([ScheduledSeq(seq, 0, n)])
         t = time_fn(lambda batch=batch: worker.runner.execute(batch), repeats, cuda)
         if kernels and n <= 512:
-            step = lambda batch=batch: worker.runner.execute(batch)  # noqa: E731
+            step = functools.partial(worker.runner.execute, batch)
             print(f"prefill of {n} tokens, {kernel_table(step, 5)}", flush=True)
             print(f"prefill of {n} tokens, {host_table(step, 5)}", flush=True)
         worker.allocator.free(seq.block_ids)
