@@ -80,6 +80,7 @@ _STATED_KEYS = (
     "rms_norm_eps",
     "max_position_embeddings",
     "tie_word_embeddings",
+    "eos_token_id",  # LlamaConfig's default is 2
 )
 
 

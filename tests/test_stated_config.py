@@ -51,7 +51,13 @@ def test_a_config_that_leaves_values_to_defaults_goes_through_transformers(tmp_p
 
 @pytest.mark.parametrize(
     "model_type, dropped",
-    [("qwen3", "head_dim"), ("mistral", "sliding_window"), ("llama", "rope_theta")],
+    [
+        ("qwen3", "head_dim"),
+        ("mistral", "sliding_window"),
+        ("llama", "rope_theta"),
+        ("llama", "eos_token_id"),
+        ("qwen2", "num_key_value_heads"),
+    ],
 )
 def test_class_dependent_defaults_are_left_to_transformers(model_type, dropped):
     raw = json.loads((CONFIGS[0] / "config.json").read_text())
