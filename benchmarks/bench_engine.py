@@ -188,9 +188,9 @@ def bench_prefill(
         )
         seq.block_ids = worker.allocator.allocate(-(-(n + 1) // worker.config.cache.block_size))
         batch = ScheduledBatch([ScheduledSeq(seq, 0, n)])
-        t = time_fn(lambda batch=batch: worker.runner.execute(batch), repeats, cuda)
+        step = functools.partial(worker.runner.execute, batch)
+        t = time_fn(step, repeats, cuda)
         if kernels and n <= 512:
-            step = functools.partial(worker.runner.execute, batch)
             print(f"prefill of {n} tokens, {kernel_table(step, 5)}", flush=True)
             print(f"prefill of {n} tokens, {host_table(step, 5)}", flush=True)
         worker.allocator.free(seq.block_ids)

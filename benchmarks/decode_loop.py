@@ -13,9 +13,7 @@ time of the measured steps over their number.
 
 from __future__ import annotations
 
-import cProfile
-import io
-import pstats
+import functools
 import random
 import threading
 import time
@@ -25,7 +23,7 @@ import numpy as np
 import torch
 import zmq
 
-from benchmarks.profiles import kernel_table
+from benchmarks.profiles import host_table, kernel_table
 from common.config import EngineConfig
 from common.messages import DecodeRequest
 from common.node_config import NodeConfig
@@ -142,40 +140,45 @@ class LoopDriver:
         while len(scheduler.running) + len(scheduler.ready) < batch:
             self.admit()
 
+    def step(self, batch: int) -> None:
+        """One loop step, then admissions back up to `batch` running requests."""
+        self.node.step()
+        self.top_up(batch)
+
     def run(self, batch: int, steps: int, warmup: int, profile: bool = False) -> LoopResult:
+        """`steps` timed loop steps after `warmup`; `profile`: cProfile the host side too."""
         node = self.node
         self.top_up(batch)
         for _ in range(warmup):
-            node.step()
-            self.top_up(batch)
+            self.step(batch)
         if node.worker.device.type == "cuda":
             torch.cuda.synchronize()
-        contexts, running, admitted = 0, 0, self.admitted
-        profiler = cProfile.Profile() if profile else None
-        start = time.perf_counter()
-        if profiler:
-            profiler.enable()
-        for _ in range(steps):
-            node.step()
-            self.top_up(batch)
+        admitted = self.admitted
+        counted = {"running": 0, "contexts": 0}
+
+        def measured() -> None:
+            self.step(batch)
             # The next step's rows: the running set and the admissions it takes in.
             rows = [*node.scheduler.running, *node.scheduler.ready]
-            running += len(rows)
-            contexts += sum(s.num_tokens for s in rows)
+            counted["running"] += len(rows)
+            counted["contexts"] += sum(s.num_tokens for s in rows)
+
+        text = None
+        start = time.perf_counter()
+        if profile:
+            text = host_table(measured, steps)
+        else:
+            for _ in range(steps):
+                measured()
         if node.worker.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        text = None
-        if profiler:
-            profiler.disable()
-            out = io.StringIO()
-            pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(18)
-            text = out.getvalue()
+        running = counted["running"]
         return LoopResult(
             batch,
             steps,
             elapsed / steps,
-            contexts / max(1, running),
+            counted["contexts"] / max(1, running),
             running / steps,
             self.admitted - admitted,
             text,
@@ -192,11 +195,7 @@ class LoopDriver:
         """The device time per kernel over `steps` loop steps at `batch` (torch.profiler; not
         a timed run)."""
 
-        def step() -> None:
-            self.node.step()
-            self.top_up(batch)
-
         self.top_up(batch)
         for _ in range(5):
-            step()
-        return kernel_table(step, steps)
+            self.step(batch)
+        return kernel_table(functools.partial(self.step, batch), steps)
