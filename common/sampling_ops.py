@@ -203,13 +203,14 @@ def filtered_race(
     from common.kernels import sampling
 
     probs = logits.softmax(dim=-1)
-    floor = torch.zeros(probs.shape[0], dtype=torch.float32, device=probs.device)
+    peak = probs.amax(dim=-1)
+    floor = torch.zeros_like(peak)
     if top_p is not None:
-        threshold = sampling.top_p_threshold(probs, top_p)
+        threshold = sampling.top_p_threshold(probs, top_p, peak)
         floor = torch.where(top_p >= 1.0, floor, threshold)
     if min_p is not None:
         # The nucleus keeps the top token, so its relative floor is the same after the cut.
-        floor = torch.maximum(floor, probs.amax(dim=-1) * min_p)
+        floor = torch.maximum(floor, peak * min_p)
     return sampling.race(probs, row_keys, floor)
 
 

@@ -97,3 +97,20 @@ def test_penalty_kernel_matches_the_reference_in_place_on_its_rows():
     torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-6)
     untouched = [0, 3, 5]
     assert torch.equal(ours[untouched], logits[untouched])
+
+
+def test_the_fused_top_p_and_min_p_cut_draws_the_reference_tokens(monkeypatch):
+    """`sampling_ops.filtered_race` on its kernel path (one softmax, the cuts as a floor of the
+    race) against its torch path (masks, a softmax per cut)."""
+    torch.manual_seed(5)
+    logits = (torch.randn(6, 9000) * 3).to(DEVICE)
+    row_keys = keys(6)
+    salts = ops.token_salts(9000, DEVICE)
+    top_p = torch.tensor([0.5, 0.9, 1.0, 0.3, 0.95, 0.7], device=DEVICE)
+    min_p = torch.tensor([0.0, 0.05, 0.1, 0.0, 0.2, 0.01], device=DEVICE)
+    for cuts in ((top_p, None), (None, min_p), (top_p, min_p)):
+        monkeypatch.setattr(ops, "_use_triton", lambda x: False)
+        reference = ops.filtered_race(logits.clone(), *cuts, row_keys, salts)
+        monkeypatch.setattr(ops, "_use_triton", lambda x: True)
+        fused = ops.filtered_race(logits.clone(), *cuts, row_keys, salts)
+        assert fused.tolist() == reference.tolist(), cuts

@@ -129,8 +129,11 @@ def _narrow_kernel(bounds_ptr, partial_ptr, top_p_ptr, chunks, K: tl.constexpr):
     tl.store(bounds_ptr + 2 * row + 1, new_hi)
 
 
-def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """As `sampling_ops.top_p_threshold`: [S] float32 thresholds, keep `probs >= t`.
+def top_p_threshold(
+    probs: torch.Tensor, top_p: torch.Tensor, peak: torch.Tensor | None = None
+) -> torch.Tensor:
+    """As `sampling_ops.top_p_threshold`: [S] float32 thresholds, keep `probs >= t`. `peak`:
+    each row's largest probability, when the caller has it already.
 
     The same search over the bit patterns of non-negative floats (they order like the values),
     17-way instead of 2-way: each pass reads the rows once (split over CHUNK-sized programs)
@@ -138,7 +141,9 @@ def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """
     rows, vocab = probs.shape
     chunks = triton.cdiv(vocab, CHUNK)
-    peak_bits = probs.amax(dim=1).view(torch.int32).to(torch.int64)
+    if peak is None:
+        peak = probs.amax(dim=1)
+    peak_bits = peak.view(torch.int32).to(torch.int64)
     bounds = torch.stack([torch.full_like(peak_bits, -1), peak_bits], dim=1).contiguous()
     partial = torch.empty(rows, chunks, THRESHOLDS, dtype=torch.float32, device=probs.device)
     limit = top_p.to(torch.float32).contiguous()
