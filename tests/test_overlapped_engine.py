@@ -14,6 +14,7 @@ from common import LLM, SamplingParams
 from common.config import EngineConfig, add_dataclass_args, engine_config_from_args
 from common.cuda_graphs import StagingHazard, StagingRing
 from tests.hf_oracle import hf_greedy
+from tests.tiny_models import TINY_SHAPE
 
 VOCAB = 384
 LENGTHS = (1, 15, 16, 17, 33, 100)
@@ -24,11 +25,7 @@ def model(tmp_path_factory):
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_SHAPE,
         max_position_embeddings=512,
         initializer_range=0.25,
         tie_word_embeddings=False,

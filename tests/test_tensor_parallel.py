@@ -21,17 +21,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from common import LLM, SamplingParams
 from tests.hf_oracle import hf_greedy
 from tests.pd_stack import ROOT, alive, descendants
+from tests.tiny_models import TINY_SHAPE
 
-COMMON = dict(
-    vocab_size=387,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    initializer_range=0.25,
-)
+COMMON = dict(TINY_SHAPE, vocab_size=387, max_position_embeddings=512, initializer_range=0.25)
 NEW_TOKENS = 10
 OPTIONS = dict(device="cpu", block_size=16, max_num_batched_tokens=256, num_kv_blocks=64)
 

@@ -42,15 +42,15 @@ QWEN_TOOL_TEMPLATE = """
 {%- endif %}
 """.strip()
 
-TINY_QWEN2 = dict(
+# The layer shapes of the tests' tiny random models (GQA: 4 heads over 2 KV heads).
+TINY_SHAPE = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
-    max_position_embeddings=2048,
-    tie_word_embeddings=True,
 )
+TINY_QWEN2 = dict(TINY_SHAPE, max_position_embeddings=2048, tie_word_embeddings=True)
 
 
 def save_tiny_tool_model(directory: Path, seed: int = 0) -> Path:
