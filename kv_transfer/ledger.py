@@ -287,7 +287,9 @@ class ReceiverLedger:
         self.table.finish(request_id, TransferState.DONE)
 
     def abort(self, request_id: str, reason: str) -> None:
-        if self._known(request_id, "abort") is not None:
+        entry = self._known(request_id, "abort")
+        if entry is not None:
+            entry.transfer.aborted_by_sender = True
             self.fail(request_id, f"aborted by sender: {reason}")
 
     def fail(self, request_id: str, error: str) -> None:

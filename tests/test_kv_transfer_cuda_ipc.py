@@ -298,6 +298,7 @@ def test_sender_abort_fails_the_receiver_transfer_and_writes_nothing_after_it(ma
     (failed,) = poll_until_terminal(receiver, {"r"}).values()
     assert failed.state is TransferState.FAILED
     assert failed.error == "aborted by sender: client disconnected"
+    assert failed.aborted_by_sender
     assert torch.equal(dst[1:], before[1:])
     (local,) = poll_sender_until_terminal(sender, {"r"}).values()
     assert local.state is TransferState.FAILED and local.error == "client disconnected"
