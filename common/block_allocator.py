@@ -114,7 +114,6 @@ class BlockAllocator:
             assert self._refcounts[block_id] == 0 and block_id not in self._block_to_hash
             self._refcounts[block_id] = 1
             block_ids.append(block_id)
-        self.prefix_hit_blocks += len(block_ids)
         return block_ids
 
     def free(self, block_ids: Iterable[int]) -> None:

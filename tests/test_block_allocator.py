@@ -245,6 +245,18 @@ def test_prefix_hit_returns_same_blocks_and_increments_refcount():
     assert [allocator.refcount(b) for b in blocks] == [1, 1]
 
 
+def test_the_hit_counters_count_looked_up_blocks_not_allocations():
+    """What the router's stats line divides: hits over lookups, never above 100%."""
+    allocator = BlockAllocator(8, block_size=4)
+    blocks = fill_and_register(allocator, list(range(8)))
+    assert (allocator.prefix_queried_blocks, allocator.prefix_hit_blocks) == (0, 0)
+    matched = allocator.match_prefix(compute_block_hashes(list(range(8)) + [7] * 8, 4))
+    assert matched == blocks
+    assert (allocator.prefix_queried_blocks, allocator.prefix_hit_blocks) == (4, 2)
+    allocator.allocate(3)
+    assert (allocator.prefix_queried_blocks, allocator.prefix_hit_blocks) == (4, 2)
+
+
 def test_prefix_match_stops_at_first_unregistered_hash():
     allocator = BlockAllocator(8, block_size=2)
     tokens = list(range(6))
