@@ -28,27 +28,9 @@ import torch
 from common.device_copy import to_device_from
 from common.sampling_params import SamplingParams
 from common.sequence import PLACEHOLDER, Sequence
+from common.structured import check_structured
 
 log = logging.getLogger(__name__)
-
-STRUCTURED_TYPES = ("json_object", "json_schema")
-
-
-def check_structured(spec: dict[str, Any]) -> None:
-    """ValueError (naming the problem) for a spec no grammar can be built from; no tokenizer."""
-    import xgrammar as xgr
-
-    kind = spec.get("type")
-    if kind not in STRUCTURED_TYPES:
-        raise ValueError(f"structured output type must be one of {STRUCTURED_TYPES}, got {kind!r}")
-    if kind == "json_schema":
-        schema = spec.get("schema")
-        if not isinstance(schema, str):
-            raise ValueError("a json_schema structured output needs its schema as JSON text")
-        try:
-            xgr.Grammar.from_json_schema(schema, any_whitespace=False)
-        except Exception as exc:  # xgrammar raises RuntimeError / InvalidJSONError
-            raise ValueError(f"unsupported JSON schema: {_first_line(exc)}") from None
 
 
 class LogitsProcessors:
@@ -170,8 +152,3 @@ class LogitsProcessors:
             )
             self._compiler = xgr.GrammarCompiler(info)
         return self._compiler
-
-
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return text.split("] ", 1)[-1]  # drop xgrammar's "[time] file:line:" prefix

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from common import LLM, SamplingParams
-from common.logits_processors import LogitsProcessors, check_structured
+from common.logits_processors import LogitsProcessors
 from common.sequence import Sequence
+from common.structured import check_structured
 from tests.tiny_models import save_tiny_tool_model
 
 SCHEMA = {
