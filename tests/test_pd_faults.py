@@ -98,16 +98,17 @@ def test_colocated_mode_gives_the_same_greedy_text_as_the_engine(tmp_path, smoll
 
 
 def test_prefill_killed_mid_transfer_frees_the_reservation_and_the_other_prefill_serves(tmp_path):
-    # Two prefill nodes; a 4000-token prompt runs as two chunks, and its KV streams to the decode
-    # node layer by layer during the second one: kill the prefill node while it is transferring.
+    # Two prefill nodes; a 2048-token prompt runs as two chunks, and its KV streams to the decode
+    # node layer by layer during the second one (seconds on a CPU, against heartbeats every
+    # 0.5 s): kill the prefill node while it is transferring.
     stack = PDStack(
         "--num-prefill",
         "2",
         "--prefill-max-num-batched-tokens",
-        "2048",
+        "1024",
         "--router-heartbeat-timeout",
         "2",
-        # A slow CPU takes tens of seconds per 2048-token chunk, and the decode side's transfer
+        # A slow CPU takes seconds per 1024-token chunk, and the decode side's transfer
         # deadline counts from its reservation: keep it from failing the request first.
         "--prefill-transfer-deadline-s",
         "600",
@@ -121,7 +122,7 @@ def test_prefill_killed_mid_transfer_frees_the_reservation_and_the_other_prefill
         def long_request() -> None:
             body = {
                 "model": MODEL,
-                "prompt": [100 + i % 5000 for i in range(4000)],
+                "prompt": [100 + i % 5000 for i in range(2048)],
                 "max_tokens": 8,
             }
             r = httpx.post(stack.url + "/v1/completions", json=body, timeout=120)

@@ -42,12 +42,12 @@ def test_race_kernel_rows_do_not_depend_on_their_neighbours():
     assert together[4].item() == alone[0].item()
 
 
-@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9])
-def test_top_p_kernel_keeps_the_reference_nucleus(top_p):
+def test_top_p_kernel_keeps_the_reference_nucleus():
+    """Rows from flat to peaked, each with its own top-p (the limit is per row)."""
     torch.manual_seed(1)
     logits = torch.randn(8, 2000) * torch.linspace(0.3, 5.0, 8).unsqueeze(1)
     probs = logits.softmax(dim=-1).to(DEVICE)
-    limit = torch.full((8,), top_p, device=DEVICE)
+    limit = torch.tensor([0.05, 0.5, 0.9, 0.05, 0.5, 0.9, 0.99, 0.3], device=DEVICE)
     ours = sampling.top_p_threshold(probs, limit)
     reference = ops.top_p_threshold(probs, limit)
     for row in range(8):
@@ -58,11 +58,11 @@ def test_top_p_kernel_keeps_the_reference_nucleus(top_p):
 
 def test_top_p_kernel_rows_do_not_depend_on_their_neighbours():
     torch.manual_seed(2)
-    probs = (torch.randn(5, 9000) * 3).softmax(dim=-1).to(DEVICE)  # rows over two chunks
-    limit = torch.tensor([0.3, 0.6, 0.9, 0.95, 0.7], device=DEVICE)
+    probs = (torch.randn(3, 9000) * 3).softmax(dim=-1).to(DEVICE)  # rows over two chunks
+    limit = torch.tensor([0.3, 0.9, 0.7], device=DEVICE)
     together = sampling.top_p_threshold(probs, limit)
-    alone = sampling.top_p_threshold(probs[2:3].contiguous(), limit[2:3])
-    assert together[2].item() == alone[0].item()
+    alone = sampling.top_p_threshold(probs[1:2].contiguous(), limit[1:2])
+    assert together[1].item() == alone[0].item()
 
 
 def test_race_floor_drops_the_tokens_below_it():
@@ -103,11 +103,11 @@ def test_the_fused_top_p_and_min_p_cut_draws_the_reference_tokens(monkeypatch):
     """`sampling_ops.filtered_race` on its kernel path (one softmax, the cuts as a floor of the
     race) against its torch path (masks, a softmax per cut)."""
     torch.manual_seed(5)
-    logits = (torch.randn(6, 9000) * 3).to(DEVICE)
-    row_keys = keys(6)
+    logits = (torch.randn(4, 9000) * 3).to(DEVICE)  # rows over two chunks
+    row_keys = keys(4)
     salts = ops.token_salts(9000, DEVICE)
-    top_p = torch.tensor([0.5, 0.9, 1.0, 0.3, 0.95, 0.7], device=DEVICE)
-    min_p = torch.tensor([0.0, 0.05, 0.1, 0.0, 0.2, 0.01], device=DEVICE)
+    top_p = torch.tensor([0.5, 0.9, 1.0, 0.3], device=DEVICE)
+    min_p = torch.tensor([0.0, 0.05, 0.1, 0.2], device=DEVICE)
     for cuts in ((top_p, None), (None, min_p), (top_p, min_p)):
         monkeypatch.setattr(ops, "_use_triton", lambda x: False)
         reference = ops.filtered_race(logits.clone(), *cuts, row_keys, salts)
