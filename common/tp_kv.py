@@ -86,6 +86,9 @@ class TPSender(KVSender):
         self.link.send_command({"op": "abort", "rid": request_id, "reason": reason})
         self.local.abort(request_id, reason)
 
+    def decline(self, request_id: str, dest_address: str, reason: str) -> None:
+        self.local.decline(request_id, dest_address, reason)  # zmq: a no-op (check_transport)
+
     def poll(self) -> list[Transfer]:
         return self.local.poll()
 

@@ -143,6 +143,15 @@ class KVSender(ABC):
     def abort(self, request_id: str, reason: str) -> None:
         """Tell the receiver to drop the request; local state FAILED (reported by poll)."""
 
+    def decline(self, request_id: str, dest_address: str, reason: str) -> None:
+        """Promise the receiver at `dest_address` that this sender will never write the blocks
+        it reserved for `request_id` (the request ended before its transfer began), so it may
+        reuse them now. Only transports whose senders write the pool themselves need it: their
+        receivers hold a cancelled reservation until the writer confirms (cuda_ipc, nixl).
+        A request already begun here is ended with `abort`, not this. Default: nothing to
+        say (a zmq receiver frees a cancelled reservation at once)."""
+        return None
+
     @abstractmethod
     def poll(self) -> list[Transfer]:
         """Transfers that became terminal since the last poll, which forgets them.

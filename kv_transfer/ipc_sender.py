@@ -204,6 +204,14 @@ class CudaIpcSender(KVSender):
         if entry is not None:
             self._fail(entry, reason)
 
+    def decline(self, request_id: str, dest_address: str, reason: str) -> None:
+        self._cancelled.pop((dest_address, request_id), None)
+        if self._ledger.table.get(request_id) is not None:
+            return  # begun: abort() ends it
+        dest = self._connected(dest_address)  # no handshake: nothing will be written
+        if dest is not None:
+            self._send(dest_address, [encode_header(AbortHeader(request_id, reason))])
+
     def poll(self) -> list[Transfer]:
         self._notices()
         self._progress()
@@ -271,6 +279,13 @@ class CudaIpcSender(KVSender):
 
     # -- sockets, handshake, notices ------------------------------------------------------------
     def _destination(self, address: str) -> _Destination | None:
+        """The receiver's socket, handshaken (None if the address is unusable)."""
+        dest = self._connected(address)
+        if dest is not None and dest.route is None:
+            self._handshake(dest)
+        return dest
+
+    def _connected(self, address: str) -> _Destination | None:
         dest = self._destinations.get(address)
         if dest is None:
             sock = self._ctx.socket(zmq.DEALER)
@@ -283,8 +298,6 @@ class CudaIpcSender(KVSender):
                 sock.close(linger=0)
                 return None
             dest = self._destinations[address] = _Destination(address, sock)
-        if dest.route is None:
-            self._handshake(dest)
         return dest
 
     def _handshake(self, dest: _Destination) -> None:

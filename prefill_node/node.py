@@ -30,6 +30,7 @@ from kv_transfer import TransferConfig, TransferState, create_sender
 log = logging.getLogger(__name__)
 
 ENDED_MEMORY = 10_000
+ENDED_BEFORE_TRANSFER = "the request ended on the prefill node before its transfer began"
 IDLE_WAIT_S = 0.01  # inbox wait of an idle loop
 TRANSFER_WAIT_S = 0.001  # ... of a loop with nothing to compute but transfers in flight
 EXPIRY_INTERVAL_S = 0.1  # how often jobs are checked against their deadlines
@@ -74,7 +75,8 @@ class PrefillNode:
             node_config.control_address, node_config.router_address, "prefill"
         )
         self.jobs: dict[str, PrefillJob] = {}
-        self._ended: OrderedDict[str, None] = OrderedDict()  # recently ended ids (bounded)
+        # Recently ended ids (bounded), each with its decode node's KV address once known.
+        self._ended: OrderedDict[str, str | None] = OrderedDict()
         self.info = runtime_info(self.worker.runtime)
         self.num_layers = self.worker.kv_cache.pool.shape[0]
         self._stream_min_tokens = (
@@ -122,7 +124,8 @@ class PrefillNode:
         """`decode_s`: how long parsing the message took (reported as node_decode)."""
         rid = getattr(message, "request_id", None)
         if rid in self._ended and not isinstance(message, Abort):
-            return  # a Reservation (or request) that crossed the Abort on the wire
+            self._crossed(rid, message)  # it crossed the request's end on the wire
+            return
         if isinstance(message, PrefillRequest):
             job = self._job(message.request_id)
             job.request = message
@@ -151,6 +154,15 @@ class PrefillNode:
             job = self.jobs[request_id] = PrefillJob(request_id)
             job.deadline = job.arrived_at + self.config.transfer_deadline_s
         return job
+
+    def _crossed(self, request_id: str, message: object) -> None:
+        """A PrefillRequest or Reservation of an ended request: its decode node may hold (or be
+        about to reserve) blocks that this node will never fill, so tell its receiver."""
+        if isinstance(message, PrefillRequest) and self._ended[request_id] is None:
+            self._ended[request_id] = message.decode_kv_address
+        address = self._ended[request_id]
+        if address is not None and isinstance(message, (PrefillRequest, Reservation)):
+            self.sender.decline(request_id, address, ENDED_BEFORE_TRANSFER)
 
     def _expire_jobs(self) -> None:
         """Fail jobs past their deadline: the router gave up on them (its abort may be lost)."""
@@ -286,7 +298,7 @@ class PrefillNode:
     def _abort(self, request_id: str) -> None:
         job = self.jobs.get(request_id)
         if job is None:
-            self._ended[request_id] = None  # the abort may overtake the request itself
+            self._remember_ended(request_id, None)  # the abort may overtake the request itself
             return
         if job.transferring:
             self.sender.abort(request_id, "aborted by the router")
@@ -305,9 +317,12 @@ class PrefillNode:
     def _drop(self, job: PrefillJob) -> None:
         """Forget a job and free its blocks (the one place a prefill node frees them)."""
         self.jobs.pop(job.request_id, None)
-        self._ended[job.request_id] = None
-        while len(self._ended) > ENDED_MEMORY:
-            self._ended.popitem(last=False)
+        address = job.request.decode_kv_address if job.request is not None else None
+        self._remember_ended(job.request_id, address)
+        if address is not None and job.reserved_blocks is not None and not job.transferring:
+            # Ended before its transfer began (its first token finished it, an abort, an
+            # error): the decode node's receiver may hold the reservation until told.
+            self.sender.decline(job.request_id, address, ENDED_BEFORE_TRANSFER)
         self.core.release(job.request_id)
         seq = job.seq
         if seq is None:
@@ -317,6 +332,11 @@ class PrefillNode:
         elif seq.block_ids:
             self.worker.allocator.free(seq.block_ids)
             seq.block_ids = []
+
+    def _remember_ended(self, request_id: str, decode_kv_address: str | None) -> None:
+        self._ended[request_id] = decode_kv_address
+        while len(self._ended) > ENDED_MEMORY:
+            self._ended.popitem(last=False)
 
     def _load(self) -> dict[str, int | float]:
         allocator = self.worker.allocator

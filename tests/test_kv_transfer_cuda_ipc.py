@@ -453,6 +453,43 @@ def test_a_cancel_the_sender_hears_before_begin_fails_that_begin_and_ends_the_ho
     assert torch.equal(dst, before)
 
 
+def test_a_decline_ends_a_cancelled_hold_at_once(make_pair):
+    """The prefill node's request ended before its transfer began (its first token finished
+    it): the decode node cancelled, and the sender's decline frees the blocks, with no wait
+    for a grace period (a year here)."""
+    sender, receiver, _, dst = make_pair(grace_s=365 * 86400.0)
+    before = dst.clone()
+    receiver.expect("short", [2, 3])
+    assert receiver.cancel("short") is False  # no writer seen yet: held
+    sender.decline("short", receiver.address, "finished at the first token")
+    (remote,) = poll_until_terminal(receiver, {"short"}).values()
+    assert remote.state is TransferState.FAILED and remote.error == CANCELLED
+    assert torch.equal(dst, before)
+    assert sender.poll() == [], "a decline begins nothing on the sender"
+
+
+def test_a_decline_before_the_cancel_fails_the_transfer_as_aborted_by_its_sender(make_pair):
+    """The decline overtook the decode node's own abort: the transfer ends as a sender abort,
+    which the decode node frees without telling the router (the prefill node did)."""
+    sender, receiver, _, _ = make_pair(connect=False)  # a sender that never shook hands
+    receiver.expect("short", [2])
+    sender.decline("short", receiver.address, "finished at the first token")
+    (remote,) = poll_until_terminal(receiver, {"short"}).values()
+    assert remote.state is TransferState.FAILED and remote.aborted_by_sender
+    assert remote.error == "aborted by sender: finished at the first token"
+
+
+def test_a_decline_of_a_begun_transfer_changes_nothing(make_pair):
+    sender, receiver, src, dst = make_pair()
+    receiver.expect("begun", [8])
+    sender.begin("begun", receiver.address, [5], [8])
+    sender.decline("begun", receiver.address, "ignored: abort() ends a begun transfer")
+    send_all(sender, "begun")
+    (remote,) = poll_until_terminal(receiver, {"begun"}).values()
+    assert remote.state is TransferState.DONE
+    assert torch.equal(blocks(dst, [8]), blocks(src, [5]))
+
+
 # -- hostile or broken messages ------------------------------------------------------------------
 
 

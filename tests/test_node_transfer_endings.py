@@ -1,10 +1,11 @@
-"""How a decode node ends a KV transfer that failed: the blocks always go back to the pool, and
-the router hears of it only when nobody else tells it.
+"""How the nodes end a KV transfer that will not complete: the blocks always go back to both
+pools, and the router hears of it once, from the node that knows.
 
-A real `DecodeNode` (tiny random Qwen2 on CPU, zmq KV transport) runs in this process; the test
-plays the router and the prefill node with real sockets and a real `ZmqSender`. Messages from
-the decode node to the router travel one PUSH -> PULL pipe, so they arrive in the order sent:
-a request rejected at once after the transfer ended proves what was (not) sent before it.
+Real `DecodeNode`s and `PrefillNode`s (tiny random Qwen2 on CPU) run in this process; the test
+plays the router with real sockets (and, for the decode node alone, the prefill node with a real
+`ZmqSender`). Messages from a node to the router travel one PUSH -> PULL pipe, so they arrive in
+the order sent: a request rejected at once after the transfer ended proves what was (not) sent
+before it.
 """
 
 from __future__ import annotations
@@ -17,13 +18,22 @@ import zmq
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from common.config import CacheConfig, EngineConfig, ModelConfig
-from common.messages import DecodeRequest, RequestError, Reservation, decode
+from common.messages import (
+    DecodeRequest,
+    FirstToken,
+    PrefillRequest,
+    RequestError,
+    Reservation,
+    decode,
+)
 from common.node_config import NodeConfig
 from decode_node.node import DecodeNode
 from kv_transfer import TransferConfig, create_sender
+from prefill_node.node import PrefillNode
 from tests.tiny_models import TINY_SHAPE
 
 MAX_STEPS = 2000  # node steps; only a hang reaches it
+FOREVER_S = 365 * 86400.0
 RECEIVE_TIMEOUT_MS = 10_000  # only a hang reaches it
 _ports = itertools.count(0)
 
@@ -149,3 +159,74 @@ def test_a_transfer_that_passes_its_deadline_frees_the_blocks_and_fails_the_requ
     error = h.next_router_message()
     assert isinstance(error, RequestError) and error.request_id == "never-sent"
     assert error.status == 500 and error.message == "KV transfer failed: deadline exceeded"
+
+
+def engine_config(model_dir: str) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model=model_dir, device="cpu", dtype="float32"),
+        cache=CacheConfig(num_kv_blocks=32),
+        enforce_eager=True,
+    )
+
+
+@pytest.mark.parametrize("transport", ["cuda_ipc", "zmq"])
+def test_a_first_token_that_finishes_the_request_frees_the_decode_reservation_at_once(
+    model_dir, tmp_path, transport
+):
+    """max_tokens=1: the prefill node's first token ends the request before any KV moves. The
+    decode node reserved blocks for it; over cuda_ipc its receiver holds a cancelled
+    reservation until the would-be writer answers (here: the grace period is a year), so the
+    prefill node declines the transfer. On CPU cuda_ipc takes its frames fallback, whose
+    receiver holds such a reservation the same way."""
+    context = zmq.Context.instance()
+    router = context.socket(zmq.PULL)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.RCVTIMEO, RECEIVE_TIMEOUT_MS)
+    router_address = f"ipc://{tmp_path}/router"
+    router.bind(router_address)
+    decode_config = NodeConfig(
+        control_address=f"ipc://{tmp_path}/decode", router_address=router_address,
+        kv_address="tcp://127.0.0.1:0", transport=transport,
+    )  # fmt: skip
+    prefill_config = NodeConfig(
+        control_address=f"ipc://{tmp_path}/prefill", router_address=router_address,
+        transport=transport,
+    )  # fmt: skip
+    decode_node = DecodeNode(decode_config, engine_config(model_dir))
+    prefill_node = PrefillNode(prefill_config, engine_config(model_dir))
+    if transport == "cuda_ipc":
+        decode_node.receiver._grace_s = FOREVER_S  # only the prefill node's word frees it
+    try:
+        free_at_start = decode_node.worker.allocator.num_available
+        prompt = list(range(10, 50))
+        sampling = {"max_tokens": 1, "temperature": 0}
+        decode_node.handle(DecodeRequest("one", prompt, sampling, prefill_config.control_address))
+        prefill_node.handle(
+            PrefillRequest("one", prompt, sampling, decode_config.control_address,
+                           decode_node.receiver.address)
+        )  # fmt: skip
+        for _ in range(MAX_STEPS):
+            decode_node.step()
+            prefill_node.step()
+            decode_ended = not decode_node.timings and not decode_node.quarantined
+            if decode_ended and not prefill_node.jobs:
+                break
+        else:
+            raise AssertionError(
+                f"still held: decode {list(decode_node.timings)} quarantined "
+                f"{list(decode_node.quarantined)}, prefill {list(prefill_node.jobs)}"
+            )
+        assert decode_node.worker.allocator.num_available == free_at_start
+        assert prefill_node.worker.allocator.stats().num_used == 0
+        first = decode(router.recv())
+        assert isinstance(first, FirstToken) and first.finished and first.request_id == "one"
+        decode_node.handle(DecodeRequest("marker", [1, 2], {"temperature": -1}, None))
+        error = decode(router.recv())
+        assert isinstance(error, RequestError) and error.request_id == "marker", error
+    finally:
+        for node in (decode_node, prefill_node):
+            node.channel.close()
+            node.worker.close()
+        decode_node.receiver.close()
+        prefill_node.sender.close()
+        router.close(linger=0)
