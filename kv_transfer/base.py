@@ -79,12 +79,16 @@ class TransferConfig:
     # head_start on, and `senders` ranks of its node each ship their heads.
     head_start: int = 0
     senders: int = 1
+    # How long a closing sender's sockets keep trying to deliver what they were handed.
+    close_linger_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not self.deadline_s > 0:
             raise ValueError(f"deadline_s must be > 0, got {self.deadline_s}")
         if not 0.0 <= self.fail_rate <= 1.0:
             raise ValueError(f"fail_rate must be in [0, 1], got {self.fail_rate}")
+        if not self.close_linger_s >= 0:
+            raise ValueError(f"close_linger_s must be >= 0, got {self.close_linger_s}")
 
 
 class KVSender(ABC):
@@ -160,7 +164,10 @@ class KVSender(ABC):
 
     @abstractmethod
     def close(self) -> None:
-        """Release sockets; unsent frames are dropped. Idempotent."""
+        """Release sockets. What a transport already handed to its sockets (all of a transfer
+        it reported DONE, in zmq's case) gets up to `close_linger_s` to reach its receiver, so a
+        node that exits right after a DONE does not lose that request's KV; the rest is
+        dropped. Idempotent."""
 
     def __enter__(self) -> KVSender:
         return self

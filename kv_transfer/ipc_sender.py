@@ -92,6 +92,7 @@ class CudaIpcSender(KVSender):
         self._pool = pool
         self._ledger = SenderLedger(config, num_layers=pool.shape[0], num_blocks=pool.shape[2])
         self._stager = HostStager(pool.device)
+        self._linger_ms = round(config.close_linger_s * 1000)
         self._side = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
         self._ctx = zmq.Context()
         self._destinations: dict[str, _Destination] = {}
@@ -230,7 +231,7 @@ class CudaIpcSender(KVSender):
         self._queue.clear()
         self._stager.synchronize()
         for dest in self._destinations.values():
-            dest.socket.close(linger=0)
+            dest.socket.close(linger=self._linger_ms)  # frames mode: as zmq_transport
         self._destinations.clear()  # drops the opened remote pools
         self._ctx.term()
 

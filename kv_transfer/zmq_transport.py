@@ -68,6 +68,7 @@ class ZmqSender(KVSender):
         # Tensor parallel: this rank's pool holds the model's KV heads from head_start on;
         # `senders` ranks each ship theirs (TransferConfig).
         self._head_start, self._senders = config.head_start, config.senders
+        self._linger_ms = round(config.close_linger_s * 1000)
         self._ctx = zmq.Context()
         self._sockets: dict[str, zmq.Socket] = {}
         self._queue: deque[_Queued] = deque()
@@ -135,7 +136,7 @@ class ZmqSender(KVSender):
         self._queue.clear()
         self._stager.synchronize()  # no copy may still read the pool after close
         for sock in self._sockets.values():
-            sock.close(linger=0)
+            sock.close(linger=self._linger_ms)  # a DONE transfer's frames may still be queued
         self._ctx.term()
 
     # -- internals --------------------------------------------------------------------------

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import random
+import socket
+import threading
 import time
 
 import msgpack
@@ -226,6 +228,36 @@ def test_late_frames_to_a_freed_reservation_never_touch_its_blocks_new_owner(mak
     assert receiver.late_frames == NUM_LAYERS + 1
 
 
+def free_tcp_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_a_transfer_reported_done_still_arrives_when_the_sender_closes_at_once():
+    """zmq's DONE means "handed to the socket": a draining prefill node that closes its sender
+    right after must not drop those frames. Here the receiver binds only after the close began,
+    so every frame is still queued in the sender when it closes."""
+    address = free_tcp_address()
+    config = TransferConfig(transport="zmq")  # cuda_ipc's frames mode closes the same way
+    src, dst = make_pool(torch.float32, seed=1), make_pool(torch.float32, seed=2)
+    sender = create_sender(config, src)
+    sender.begin("r", address, [0, 1], [3, 4])
+    send_all(sender, "r", {"kept": True})
+    (sent,) = poll_sender_until_terminal(sender, {"r"}).values()
+    assert sent.state is TransferState.DONE
+    closing = threading.Thread(target=sender.close)
+    closing.start()
+    try:
+        with create_receiver(config, dst, address) as receiver:
+            receiver.expect("r", [3, 4])
+            (t,) = poll_until_terminal(receiver, {"r"}).values()
+            assert t.state is TransferState.DONE and t.metadata == {"kept": True}
+            assert torch.equal(blocks(dst, [3, 4]), blocks(src, [0, 1]))
+    finally:
+        closing.join()
+
+
 def test_a_sender_that_vanishes_mid_transfer_is_reclaimed_by_the_receiver_deadline(make_pair):
     sender, receiver, _, _ = make_pair(deadline_s=0.3)
     receiver.expect("r", [1, 2])
@@ -237,7 +269,7 @@ def test_a_sender_that_vanishes_mid_transfer_is_reclaimed_by_the_receiver_deadli
 
 
 def test_a_receiver_that_vanishes_leaves_the_sender_nothing_to_hold(make_pair):
-    sender, receiver, _, _ = make_pair(deadline_s=0.3)
+    sender, receiver, _, _ = make_pair(deadline_s=0.3, close_linger_s=0.1)
     receiver.expect("r", [1, 2])
     sender.begin("r", receiver.address, [0, 1], [1, 2])
     receiver.close()  # the decode process is gone
@@ -342,7 +374,7 @@ def test_receiver_that_stops_reading_fails_transfers_instead_of_blocking_the_sen
     stalled = ctx.socket(zmq.PULL)  # bound, never read
     port = stalled.bind_to_random_port("tcp://127.0.0.1")
     failed: list[Transfer] = []
-    with ZmqSender(make_pool(torch.float32, 0), TransferConfig()) as sender:
+    with ZmqSender(make_pool(torch.float32, 0), TransferConfig(close_linger_s=0.1)) as sender:
         for i in range(50_000):  # far more than both queues and the socket buffers hold
             rid = f"r{i}"
             sender.begin(rid, f"tcp://127.0.0.1:{port}", [0], [0])
