@@ -230,11 +230,11 @@ class DecodeNode:
         if transfer.state is TransferState.FAILED:
             self.worker.allocator.free(pending.block_ids)
             self._end(rid)
-            if transfer.aborted_by_sender:
+            if transfer.answered_by_sender:
                 # The prefill node ended the request (its first token finished it, the router
                 # aborted it, or it failed and said so): the router heard it from there, and an
                 # error from here could overtake that first token on the router's socket.
-                self.stats["kv_transfers_aborted_by_sender"] += 1
+                self.stats["kv_transfers_ended_by_sender"] += 1
                 return
             self.stats["kv_transfer_failures"] += 1
             self.channel.to_router(RequestError(rid, f"KV transfer failed: {transfer.error}", 500))

@@ -41,10 +41,10 @@ class Transfer:
     state: TransferState = TransferState.PENDING
     layers_done: int = 0  # layers sent (sender) or written into the pool (receiver)
     error: str | None = None
-    # receiver: FAILED because the sender aborted it. The sending node owns that ending and
-    # has told the router whatever it needs (a first token that ended the request, its own
-    # error), so the receiving node only frees the blocks.
-    aborted_by_sender: bool = False
+    # receiver: FAILED because the sending node ended the request and has answered the router
+    # itself (a first token that finished it, the router's abort, its own error): the
+    # receiving node only frees the blocks (AbortHeader.answered).
+    answered_by_sender: bool = False
     metadata: dict[str, Any] | None = None  # receiver: what the sender attached on completion
     started_at: float = field(default_factory=time.monotonic)
     in_flight_at: float | None = None  # first layer sent / received

@@ -235,7 +235,7 @@ class CudaIpcReceiver(KVReceiver):
                 self._ledger.complete(message.request_id, message.metadata)
         elif isinstance(message, AbortHeader):
             if not self._confirmed(message.request_id):
-                self._ledger.abort(message.request_id, message.reason)
+                self._ledger.abort(message.request_id, message.reason, message.answered)
         else:
             log.debug("dropped a %s message sent to a KV receiver", type(message).__name__)
 

@@ -47,6 +47,11 @@ class CompleteHeader:
 class AbortHeader:
     request_id: str
     reason: str
+    # True: the sending node ended the request itself (KVSender.abort / decline) and has
+    # answered the router; False: the transfer failed inside the sender (deadline, full queue,
+    # cancel), and the receiving node must say so, since a tensor-parallel rank's own sender
+    # has nobody else to tell.
+    answered: bool = False
 
 
 Header = LayerHeader | CompleteHeader | AbortHeader

@@ -203,7 +203,7 @@ class CudaIpcSender(KVSender):
     def abort(self, request_id: str, reason: str) -> None:
         entry = self._ledger.table.get(request_id)
         if entry is not None:
-            self._fail(entry, reason)
+            self._fail(entry, reason, answered=True)
 
     def decline(self, request_id: str, dest_address: str, reason: str) -> None:
         self._cancelled.pop((dest_address, request_id), None)
@@ -211,7 +211,8 @@ class CudaIpcSender(KVSender):
             return  # begun: abort() ends it
         dest = self._connected(dest_address)  # no handshake: nothing will be written
         if dest is not None:
-            self._send(dest_address, [encode_header(AbortHeader(request_id, reason))])
+            notice = AbortHeader(request_id, reason, answered=True)
+            self._send(dest_address, [encode_header(notice)])
 
     def poll(self) -> list[Transfer]:
         self._notices()
@@ -262,8 +263,9 @@ class CudaIpcSender(KVSender):
             else:
                 self._fail(entry, f"send queue to {job.address} is full")
 
-    def _fail(self, entry: Outgoing, reason: str) -> None:
-        """FAILED here, abort there, after the copies still touching the request's blocks."""
+    def _fail(self, entry: Outgoing, reason: str, answered: bool = False) -> None:
+        """FAILED here, abort there (`answered`: by the node's abort()), after the copies still
+        touching the request's blocks."""
         request_id = entry.transfer.request_id
         job = self._jobs.pop(request_id, None)
         if job is not None and job.last_write is not None:
@@ -276,7 +278,8 @@ class CudaIpcSender(KVSender):
                 queued.ready.synchronize()
         self._queue = kept
         self._ledger.table.finish(request_id, TransferState.FAILED, reason)
-        self._send(entry.dest_address, [encode_header(AbortHeader(request_id, reason))])
+        abort = AbortHeader(request_id, reason, answered)
+        self._send(entry.dest_address, [encode_header(abort)])
 
     # -- sockets, handshake, notices ------------------------------------------------------------
     def _destination(self, address: str) -> _Destination | None:

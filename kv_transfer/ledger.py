@@ -286,10 +286,11 @@ class ReceiverLedger:
         entry.transfer.metadata = metadata
         self.table.finish(request_id, TransferState.DONE)
 
-    def abort(self, request_id: str, reason: str) -> None:
+    def abort(self, request_id: str, reason: str, answered: bool = False) -> None:
+        """The sender's abort notice; `answered`: its node has answered the router."""
         entry = self._known(request_id, "abort")
         if entry is not None:
-            entry.transfer.aborted_by_sender = True
+            entry.transfer.answered_by_sender = answered
             self.fail(request_id, f"aborted by sender: {reason}")
 
     def fail(self, request_id: str, error: str) -> None:

@@ -114,7 +114,7 @@ class LoopbackReceiver(KVReceiver):
             if isinstance(header, CompleteHeader):
                 self._ledger.complete(header.request_id, header.metadata)
             elif isinstance(header, AbortHeader):
-                self._ledger.abort(header.request_id, header.reason)
+                self._ledger.abort(header.request_id, header.reason, header.answered)
             else:
                 self._ledger.fail(header.request_id, "layer frame without payload")
         for entry in self._ledger.table.overdue(time.monotonic()):
@@ -168,7 +168,7 @@ class LoopbackSender(KVSender):
     def abort(self, request_id: str, reason: str) -> None:
         entry = self._ledger.table.get(request_id)
         if entry is not None:
-            self._fail(entry, reason)
+            self._fail(entry, reason, answered=True)
 
     def poll(self) -> list[Transfer]:
         for entry in self._ledger.table.overdue(time.monotonic()):
@@ -178,9 +178,9 @@ class LoopbackSender(KVSender):
     def close(self) -> None:
         pass  # nothing held: receivers belong to their owners
 
-    def _fail(self, entry: Outgoing, reason: str) -> None:
+    def _fail(self, entry: Outgoing, reason: str, answered: bool = False) -> None:
         request_id = entry.transfer.request_id
         self._ledger.table.finish(request_id, TransferState.FAILED, reason)
         receiver = _RECEIVERS.get(entry.dest_address)
         if receiver is not None:
-            receiver.deliver(encode_header(AbortHeader(request_id, reason)))
+            receiver.deliver(encode_header(AbortHeader(request_id, reason, answered)))

@@ -117,7 +117,7 @@ class ZmqSender(KVSender):
     def abort(self, request_id: str, reason: str) -> None:
         entry = self._ledger.table.get(request_id)
         if entry is not None:
-            self._fail(entry, reason)
+            self._fail(entry, reason, answered=True)
 
     def flush(self) -> None:
         self._stager.synchronize()
@@ -153,9 +153,10 @@ class ZmqSender(KVSender):
             elif head.completes:
                 self._ledger.table.finish(head.entry.transfer.request_id, TransferState.DONE)
 
-    def _fail(self, entry: Outgoing, reason: str) -> None:
-        """FAILED here, abort there. Waits for copies still reading the entry's source blocks,
-        so the caller may free them as soon as it sees the failure."""
+    def _fail(self, entry: Outgoing, reason: str, answered: bool = False) -> None:
+        """FAILED here, abort there (`answered`: by the node's abort()). Waits for copies still
+        reading the entry's source blocks, so the caller may free them as soon as it sees the
+        failure."""
         kept: deque[_Queued] = deque()
         for queued in self._queue:
             if queued.entry is not entry:
@@ -165,7 +166,8 @@ class ZmqSender(KVSender):
         self._queue = kept
         request_id = entry.transfer.request_id
         self._ledger.table.finish(request_id, TransferState.FAILED, reason)
-        self._send(entry.dest_address, [encode_header(AbortHeader(request_id, reason))])
+        abort = AbortHeader(request_id, reason, answered)
+        self._send(entry.dest_address, [encode_header(abort)])
 
     def _send(self, address: str, frames: list[Any]) -> bool:
         sock = self._socket(address)
@@ -270,7 +272,7 @@ class ZmqReceiver(KVReceiver):
         elif isinstance(header, CompleteHeader):
             self._ledger.complete(header.request_id, header.metadata, header.senders)
         else:
-            self._ledger.abort(header.request_id, header.reason)
+            self._ledger.abort(header.request_id, header.reason, header.answered)
 
     def set_writer(self, writer: PoolWriter) -> None:
         """Before any expect(): a tensor-parallel node's writer, which knows every head."""

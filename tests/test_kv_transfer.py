@@ -179,7 +179,7 @@ def test_sender_abort_fails_the_receiver_transfer_and_writes_nothing_after_it(ma
     (failed,) = poll_until_terminal(receiver, {"r"}).values()
     assert failed.state is TransferState.FAILED
     assert failed.error == "aborted by sender: client disconnected"
-    assert failed.aborted_by_sender
+    assert failed.answered_by_sender
     assert torch.equal(dst[1:], before[1:])
     (local,) = poll_sender_until_terminal(sender, {"r"}).values()
     assert local.state is TransferState.FAILED and local.error == "client disconnected"
@@ -213,7 +213,7 @@ def test_late_frames_to_a_freed_reservation_never_touch_its_blocks_new_owner(mak
     receiver.expect("r1", [3, 4])
     (expired,) = poll_until_terminal(receiver, {"r1"}).values()
     assert expired.state is TransferState.FAILED and expired.error == "deadline exceeded"
-    assert not expired.aborted_by_sender
+    assert not expired.answered_by_sender
     receiver.expect("r2", [3, 4])  # the freed blocks, handed to the next request
     sender.begin("r2", receiver.address, [6, 7], [3, 4])
     sender.begin("r1", receiver.address, [0, 1], [3, 4])
@@ -334,6 +334,7 @@ def test_failure_injection_fails_every_transfer_on_both_sides_or_none(
     if fail_rate:
         assert {t.error for t in local.values()} == {"injected failure"}
         assert {t.error for t in remote.values()} == {"aborted by sender: injected failure"}
+        assert not any(t.answered_by_sender for t in remote.values())  # its node must tell
 
 
 def test_unknown_transport_name_lists_the_known_ones():

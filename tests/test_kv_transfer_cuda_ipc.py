@@ -298,7 +298,7 @@ def test_sender_abort_fails_the_receiver_transfer_and_writes_nothing_after_it(ma
     (failed,) = poll_until_terminal(receiver, {"r"}).values()
     assert failed.state is TransferState.FAILED
     assert failed.error == "aborted by sender: client disconnected"
-    assert failed.aborted_by_sender
+    assert failed.answered_by_sender
     assert torch.equal(dst[1:], before[1:])
     (local,) = poll_sender_until_terminal(sender, {"r"}).values()
     assert local.state is TransferState.FAILED and local.error == "client disconnected"
@@ -363,6 +363,7 @@ def test_failure_injection_fails_every_transfer_on_both_sides_or_none(
     if fail_rate:
         assert {t.error for t in local.values()} == {"injected failure"}
         assert {t.error for t in remote.values()} == {"aborted by sender: injected failure"}
+        assert not any(t.answered_by_sender for t in remote.values())  # its node must tell
 
 
 def test_unreachable_destination_fails_the_transfer_not_the_sender(make_pair):
@@ -475,7 +476,7 @@ def test_a_decline_before_the_cancel_fails_the_transfer_as_aborted_by_its_sender
     receiver.expect("short", [2])
     sender.decline("short", receiver.address, "finished at the first token")
     (remote,) = poll_until_terminal(receiver, {"short"}).values()
-    assert remote.state is TransferState.FAILED and remote.aborted_by_sender
+    assert remote.state is TransferState.FAILED and remote.answered_by_sender
     assert remote.error == "aborted by sender: finished at the first token"
 
 

@@ -145,7 +145,7 @@ def test_a_transfer_its_sender_aborts_frees_the_blocks_and_sends_the_router_noth
     assert h.node.worker.allocator.num_available == h.blocks_at_start
     first = h.next_router_message()
     assert isinstance(first, RequestError) and first.request_id == "marker", first
-    assert h.node.stats["kv_transfers_aborted_by_sender"] == 1
+    assert h.node.stats["kv_transfers_ended_by_sender"] == 1
     assert h.node.stats["kv_transfer_failures"] == 0
 
 
