@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,6 +90,14 @@ if __name__ == "__main__":
 """
 
 
+def is_spawned_rank(pid: int) -> bool:
+    try:
+        command = (Path("/proc") / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"spawn_main" in command
+
+
 def test_a_process_that_never_closes_its_llm_exits_cleanly_and_takes_its_ranks(llama, tmp_path):
     """Its ranks ignore SIGTERM and wait in a collective: the exit handler kills them."""
     folder, _ = llama
@@ -96,10 +105,11 @@ def test_a_process_that_never_closes_its_llm_exits_cleanly_and_takes_its_ranks(l
     script.write_text(FORGETFUL.format(folder=folder, options=OPTIONS))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE)
-    ranks: list[int] = []
+    ranks: list[int] = []  # not multiprocessing's resource tracker, which leaves on its own
     while proc.poll() is None and not ranks:
-        ranks = descendants(proc.pid)
+        ranks = [pid for pid in descendants(proc.pid) if is_spawned_rank(pid)]
         time.sleep(0.05)
+    assert ranks, "the rank process was never seen"
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0 and out.strip().startswith(b"[")
     assert not any(alive(pid) for pid in ranks)
