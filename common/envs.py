@@ -7,7 +7,8 @@ from pathlib import Path
 
 
 def cache_dir() -> Path:
-    """Where converted GGUF checkpoints are kept (PDSERVE_CACHE_DIR, default ~/.cache/pdserve)."""
+    """Where converted GGUF checkpoints and the tokenizer classes AutoTokenizer picked are kept
+    (PDSERVE_CACHE_DIR, default ~/.cache/pdserve)."""
     return Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
 
 
