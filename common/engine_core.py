@@ -3,7 +3,8 @@
 `LLMEngine` (offline), `PrefillNode` and `DecodeNode` each own one `EngineCore` and call
 `step()` from their loops; what differs between them (admission, KV transfer, messages) sits
 around it in the caller. A step that fails (an exception in the model) comes back as a
-`StepOutput` with `error` set: the caller fails that step's requests, the loop goes on.
+`StepOutput` with `error` set: the caller fails that step's requests, the loop goes on. So does
+an exception in the caller's `before_launch` hook (the step then never runs).
 
 Overlapped (`overlap=True`, vLLM's async scheduling, SGLang's overlap scheduler): each `step()`
 schedules and launches step N+1 while step N may still run on the device, and only then waits
@@ -81,8 +82,8 @@ class EngineCore:
         outputs: list[StepOutput] = []
         launched = None
         if batch:
-            hook = before_launch(batch) if before_launch is not None else None
             try:
+                hook = before_launch(batch) if before_launch is not None else None
                 launched = self.runner.launch(batch, self._in_flight, hook)
             except Exception as exc:  # a failed step fails its requests, not the loop
                 log.exception("model step of %d requests failed", len(batch.items))

@@ -47,7 +47,17 @@ class PrefillJob:
     first_token_at: float | None = None
     decode_s: float = 0.0  # parsing the PrefillRequest
     transferring: bool = False
+    transfer_error: str | None = None  # the sender refused to begin the transfer (a bug)
     deadline: float | None = None  # monotonic; past it the job is failed (see _expire_jobs)
+
+
+def _check_reserved(block_ids: list[int], needed: int) -> None:
+    """ValueError unless the decode node reserved `needed` distinct block ids, none negative
+    (their upper bound is that node's pool, which only its receiver knows)."""
+    if len(block_ids) != needed:
+        raise ValueError(f"decode node reserved {len(block_ids)} blocks, {needed} needed")
+    if min(block_ids) < 0 or len(set(block_ids)) != len(block_ids):
+        raise ValueError(f"decode node reserved negative or repeated block ids: {block_ids[:8]}")
 
 
 class PrefillNode:
@@ -128,6 +138,9 @@ class PrefillNode:
             return
         if isinstance(message, PrefillRequest):
             job = self._job(message.request_id)
+            if job.request is not None:
+                self._ignore_repeat("repeated_requests", message)
+                return
             job.request = message
             if message.deadline_s is not None:
                 job.deadline = time.monotonic() + message.deadline_s
@@ -137,6 +150,9 @@ class PrefillNode:
             self._maybe_start(job)
         elif isinstance(message, Reservation):
             job = self._job(message.request_id)
+            if job.reserved_blocks is not None:
+                self._ignore_repeat("repeated_reservations", message)
+                return
             job.reserved_blocks = message.block_ids.tolist()
             self._maybe_start(job)
         elif isinstance(message, Abort):
@@ -154,6 +170,12 @@ class PrefillNode:
             job = self.jobs[request_id] = PrefillJob(request_id)
             job.deadline = job.arrived_at + self.config.transfer_deadline_s
         return job
+
+    def _ignore_repeat(self, counter: str, message: PrefillRequest | Reservation) -> None:
+        """A second PrefillRequest or Reservation for a live job (a confused or hostile peer):
+        the first one stands, since the job may already compute and ship by it."""
+        self.stats[counter] += 1
+        log.warning("ignored a repeated %s for %r", type(message).__name__, message.request_id)
 
     def _crossed(self, request_id: str, message: object) -> None:
         """A PrefillRequest or Reservation of an ended request: its decode node may hold (or be
@@ -182,10 +204,7 @@ class PrefillNode:
             params = SamplingParams(**req.sampling)
             seq = self.worker.new_sequence(req.request_id, req.prompt_token_ids, params)
             needed = self.scheduler.blocks_for(len(req.prompt_token_ids))
-            if needed != len(job.reserved_blocks):
-                raise ValueError(
-                    f"decode node reserved {len(job.reserved_blocks)} blocks, {needed} needed"
-                )
+            _check_reserved(job.reserved_blocks, needed)
             self.scheduler.add(seq)
         except (TypeError, ValueError) as exc:
             self._fail(req.request_id, str(exc), 400)
@@ -219,6 +238,9 @@ class PrefillNode:
             return None
         for rid in shipping:
             self._begin_transfer(self.jobs[rid])
+        shipping = [rid for rid in shipping if self.jobs[rid].transferring]
+        if not shipping:
+            return None
 
         def hook(layer: int) -> None:
             for rid in shipping:
@@ -228,10 +250,18 @@ class PrefillNode:
         return hook
 
     def _begin_transfer(self, job: PrefillJob) -> None:
+        """Begin the job's KV transfer. A sender that refuses it (ValueError: _maybe_start
+        checked the reservation, so a bug) leaves the reason in `job.transfer_error`, and
+        _first_token_ready fails that request alone."""
         seq, req = job.seq, job.request
-        self.sender.begin(
-            seq.request_id, req.decode_kv_address, list(seq.block_ids), job.reserved_blocks
-        )
+        try:
+            self.sender.begin(
+                seq.request_id, req.decode_kv_address, list(seq.block_ids), job.reserved_blocks
+            )
+        except ValueError as exc:
+            log.error("the KV sender refused the transfer of %r: %s", seq.request_id, exc)
+            job.transfer_error = str(exc)
+            return
         job.transferring = True
 
     def _first_token_ready(self, seq: Sequence) -> None:
@@ -240,6 +270,16 @@ class PrefillNode:
         self.stats["prefix_cache_queries"] += len(seq.prompt_token_ids)
         self.stats["prefix_cache_hits"] += seq.num_cached_tokens
         self.core.release(seq.request_id)
+        finished = seq.finish_reason is not None
+        # Nothing to decode unless the first token leaves something (or n > 1: the other
+        # samples need the prompt's KV).
+        ships = not finished or seq.params.n > 1
+        streamed = job.transferring  # began in _before_launch, every layer sent during compute
+        if ships and not streamed and job.transfer_error is None:
+            self._begin_transfer(job)  # a short step: one copy of every layer after the token
+        if ships and not job.transferring:
+            self._fail(seq.request_id, f"KV transfer failed: {job.transfer_error}", 500)
+            return
         token = seq.output_token_ids[0]
         logprob = seq.output_logprobs[0] if seq.output_logprobs else None
         top = seq.output_top_logprobs[0] if seq.output_top_logprobs else None
@@ -249,7 +289,6 @@ class PrefillNode:
             "prefill_queue": job.scheduled_at - job.arrived_at,
             "prefill_compute": job.first_token_at - job.scheduled_at,
         }
-        finished = seq.finish_reason is not None
         self.channel.to_router(
             FirstToken(
                 request_id=seq.request_id,
@@ -262,9 +301,9 @@ class PrefillNode:
                 timing=timing,
             )
         )
-        if finished and seq.params.n == 1:
-            # Nothing to decode: stop the transfer and release the decode node's reservation.
-            # (With n > 1 the other samples still need the prompt's KV: it ships as usual.)
+        if not ships:
+            # Stop the transfer (begun if this step streamed) and release the decode node's
+            # reservation.
             self.sender.abort(seq.request_id, "finished at the first token")
             self.channel.to_peer(job.request.decode_node, Abort(seq.request_id))
             self._drop(job)
@@ -278,8 +317,7 @@ class PrefillNode:
             "first_token_at": job.first_token_at,
             "host_id": HOST_ID,
         }
-        if not job.transferring:  # a short step: the whole KV in one go, the token is out
-            self._begin_transfer(job)
+        if not streamed:  # the token is out: now the copy
             self.sender.send_layers(seq.request_id, range(self.num_layers))
         self.sender.complete(seq.request_id, metadata)
 
