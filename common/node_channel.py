@@ -58,7 +58,11 @@ class NodeChannel:
     def _push(self, address: str) -> zmq.Socket:
         sock = self.context.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(address)
+        try:
+            sock.connect(address)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
         return sock
 
     def receive(self, timeout_s: float) -> list[Any]:
@@ -88,11 +92,19 @@ class NodeChannel:
     def to_router(self, message: Any) -> None:
         self.router.send(encode(message))
 
-    def to_peer(self, address: str, message: Any) -> None:
+    def to_peer(self, address: str, message: Any) -> bool:
+        """Send to a peer node's control socket. `address` came in a message and may be no
+        address at all: False (logged) when it cannot be connected to."""
         sock = self.peers.get(address)
         if sock is None:
-            sock = self.peers[address] = self._push(address)
+            try:
+                sock = self._push(address)
+            except zmq.ZMQError as exc:
+                log.warning("cannot connect to peer %r: %s", address, exc)
+                return False
+            self.peers[address] = sock
         sock.send(encode(message))
+        return True
 
     def start_heartbeat(self, info: dict[str, Any]) -> None:
         """Heartbeats go from their own thread (and socket), so a long model step can't make a

@@ -157,7 +157,7 @@ class DecodeNode:
     # -- admission --------------------------------------------------------------------------
     def _accept(self, request: DecodeRequest, decode_s: float = 0.0) -> None:
         rid = request.request_id
-        if rid in self.timings:
+        if rid in self.timings or rid in self.quarantined:  # quarantined: its transfer lingers
             self.channel.to_router(RequestError(rid, f"duplicate request id {rid!r}", 400))
             return
         try:
@@ -196,10 +196,12 @@ class DecodeNode:
             rid = pending.request.request_id
             self.receiver.expect(rid, pending.block_ids)
             self.timings[rid].reserved_at = pending.reserved_at
-            self.channel.to_peer(
-                pending.request.prefill_node,
-                Reservation(rid, self.channel.node_id, pending.block_ids),
-            )
+            prefill_node = pending.request.prefill_node
+            reservation = Reservation(rid, self.channel.node_id, pending.block_ids)
+            if not self.channel.to_peer(prefill_node, reservation):
+                self._abort(rid)  # frees the blocks (or quarantines them: see _abort)
+                message = f"cannot reach prefill node {prefill_node!r}"
+                self.channel.to_router(RequestError(rid, message, 400))
 
     def _growth_headroom(self) -> int | None:
         """Blocks a new reservation must leave available, or None: reserve nothing now.

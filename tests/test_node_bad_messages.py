@@ -1,14 +1,15 @@
 """Messages no correct peer sends fail the one request they concern: its error goes to the
 router, its blocks go back to the pool, and the node's loop goes on.
 
-A real `PrefillNode` (tiny random Qwen2 on CPU, zmq transport) runs in this process; the test
-plays the router (a PULL socket for the node's events), the decode node (a PULL socket for its
-control messages) and the decode node's KV receiver (a real `ZmqReceiver` on a pool shaped like
-the node's).
+Real `PrefillNode`s and `DecodeNode`s (tiny random Qwen2 on CPU) run in this process. The test
+plays their peers with real sockets: the router (a PULL socket for the node's events), the
+other node (a PULL socket for its control messages) and, for a prefill node, the decode node's
+KV receiver (a real `ZmqReceiver` on a pool shaped like the node's).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -17,8 +18,17 @@ import zmq
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from common.config import CacheConfig, EngineConfig, ModelConfig
-from common.messages import Abort, FirstToken, PrefillRequest, RequestError, Reservation, decode
+from common.messages import (
+    Abort,
+    DecodeRequest,
+    FirstToken,
+    PrefillRequest,
+    RequestError,
+    Reservation,
+    decode,
+)
 from common.node_config import NodeConfig
+from decode_node.node import DecodeNode
 from kv_transfer import Transfer, TransferConfig, TransferState, create_receiver
 from prefill_node.node import PrefillNode
 from tests.tiny_models import TINY_SHAPE
@@ -189,3 +199,103 @@ def test_a_transfer_the_sender_refuses_fails_only_that_request_with_a_500(prefil
     assert prefill.transfers(1)["fine"].state is TransferState.DONE
     assert prefill.blocks_used() == 0
     prefill.node.sender.abort("refused", "the test is over")
+
+
+def test_a_prefill_request_naming_no_reachable_decode_node_fails_without_the_process(prefill):
+    """The request is refused (here: its reservation) and the Abort to its decode node has
+    nowhere to go: connecting to "bogus" raised ZMQError out of the node's loop."""
+    request = dataclasses.replace(prefill.request("lost", num_blocks=1), decode_node="bogus")
+    prefill.node.handle(request)
+    prefill.node.handle(prefill.reservation("lost", [-1]))
+    prefill.step_until_idle()
+    error = decode(prefill.router.recv())
+    assert isinstance(error, RequestError) and error.request_id == "lost", error
+    assert error.status == 400
+    assert prefill.blocks_used() == 0
+    prefill.serves("next")
+
+
+FOREVER_S = 365 * 86400.0
+
+
+class DecodeHarness:
+    """A decode node plus the sockets of the router and the prefill node it talks to."""
+
+    def __init__(self, model_dir: str, tmp_path, transport: str) -> None:
+        n = next(_ports)
+        router_address = f"ipc://{tmp_path}/router-d{n}"
+        self.prefill_address = f"ipc://{tmp_path}/prefill-d{n}"
+        self.router = pull(router_address)
+        self.prefill = pull(self.prefill_address)
+        config = NodeConfig(
+            control_address=f"ipc://{tmp_path}/decode-d{n}",
+            router_address=router_address,
+            kv_address="tcp://127.0.0.1:0",
+            transport=transport,
+        )
+        self.node = DecodeNode(config, engine_config(model_dir))
+
+    def request(self, request_id: str, prefill_node: str | None = None) -> DecodeRequest:
+        prompt, sampling = list(range(10, 50)), {"max_tokens": 4}
+        return DecodeRequest(request_id, prompt, sampling, prefill_node or self.prefill_address)
+
+    def reserves(self, request_id: str) -> None:
+        """A well-formed request gets its blocks and the prefill node its Reservation."""
+        self.node.handle(self.request(request_id))
+        self.node.step()
+        reservation = decode(self.prefill.recv())
+        assert isinstance(reservation, Reservation) and reservation.request_id == request_id
+
+    def blocks_used(self) -> int:
+        return self.node.worker.allocator.stats().num_used
+
+    def close(self) -> None:
+        self.node.receiver.close()
+        self.node.channel.close()
+        self.node.worker.close()
+        self.router.close(linger=0)
+        self.prefill.close(linger=0)
+
+
+@pytest.fixture
+def decode_node(model_dir, tmp_path):
+    made: list[DecodeHarness] = []
+
+    def make(transport: str = "zmq") -> DecodeHarness:
+        made.append(DecodeHarness(model_dir, tmp_path, transport))
+        return made[-1]
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def test_a_decode_request_naming_no_reachable_prefill_node_gets_a_400(decode_node):
+    """The router's types allow any string: connecting to "bogus" raised ZMQError out of
+    `_reserve_blocks`, with the blocks reserved and the receiver expecting them."""
+    h = decode_node()
+    h.node.handle(h.request("lost", prefill_node="bogus"))
+    h.node.step()
+    error = decode(h.router.recv())
+    assert isinstance(error, RequestError) and error.request_id == "lost", error
+    assert error.status == 400 and error.message == "cannot reach prefill node 'bogus'"
+    assert h.blocks_used() == 0 and not h.node.timings and not h.node.reservations.reserved
+    h.reserves("lost")  # the receiver forgot the id: it may come again
+
+
+def test_a_request_id_whose_transfer_is_still_quarantined_is_refused_as_a_duplicate(decode_node):
+    """cuda_ipc: an aborted reservation stays quarantined until its would-be writer answers
+    (here never). The same id again used to pass `_accept`, and the receiver's "already
+    active" ValueError at the next reservation ended the process."""
+    h = decode_node("cuda_ipc")
+    h.node.receiver._grace_s = FOREVER_S
+    h.reserves("again")
+    h.node.handle(Abort("again"))
+    assert list(h.node.quarantined) == ["again"]
+    h.node.handle(h.request("again"))
+    h.node.step()
+    error = decode(h.router.recv())
+    assert isinstance(error, RequestError) and error.request_id == "again", error
+    assert error.status == 400 and error.message == "duplicate request id 'again'"
+    assert list(h.node.quarantined) == ["again"] and not h.node.timings
+    h.reserves("other")
