@@ -82,7 +82,8 @@ class BlockAllocator:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._hash_to_block: dict[int, int] = {}
         self._block_to_hash: dict[int, int] = {}
-        # Prefix-cache lookups since start (what the stats line's hit rate is made of).
+        # Prefix-cache lookups since start, as the callers record them (`record_prefix_lookup`):
+        # what the stats line's hit rate is made of.
         self.prefix_queried_blocks = 0
         self.prefix_hit_blocks = 0
 
@@ -154,11 +155,12 @@ class BlockAllocator:
         """Return blocks for the longest registered leading run of `block_hashes`.
 
         The caller owns one new reference on each returned block and frees it like any other.
+        Counts nothing: the caller records the lookup once it uses the result
+        (`record_prefix_lookup`).
         """
         if not self.enable_prefix_caching:
             return []
         block_ids: list[int] = []
-        self.prefix_queried_blocks += len(block_hashes)
         for block_hash in block_hashes:
             block_id = self._hash_to_block.get(block_hash)
             if block_id is None:
@@ -167,8 +169,16 @@ class BlockAllocator:
                 del self._evictable[block_id]
             self._refcounts[block_id] += 1
             block_ids.append(block_id)
-        self.prefix_hit_blocks += len(block_ids)
         return block_ids
+
+    def record_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
+        """Count one lookup of `num_queried` blocks that found `num_hit`. Record a prompt's
+        lookup once, when it is admitted: a match given back because the rest of the prompt
+        did not fit is looked up again at the next try, and that is no new lookup."""
+        if not 0 <= num_hit <= num_queried:
+            raise ValueError(f"a lookup of {num_queried} blocks cannot hit {num_hit}")
+        self.prefix_queried_blocks += num_queried
+        self.prefix_hit_blocks += num_hit
 
     def register_full_block(self, block_id: int, block_hash: int) -> None:
         """Make a referenced, fully computed block findable by `block_hash`.

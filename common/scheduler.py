@@ -183,8 +183,7 @@ class Scheduler:
             return batch  # memory is short: admit nothing new this step
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.block_ids:
-                self._attach_cached_prefix(seq)
+            lookup = self._attach_cached_prefix(seq) if not seq.block_ids else None
             num_new = seq.num_pending_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 self._release_blocks(seq)
@@ -196,6 +195,8 @@ class Scheduler:
                 self._release_blocks(seq)
                 break
             seq.block_ids.extend(blocks)
+            if lookup is not None:  # admitted: now the lookup counts (once per admission)
+                self.allocator.record_prefix_lookup(*lookup)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -241,9 +242,11 @@ class Scheduler:
         seq.block_ids = []
         seq.num_computed_tokens = seq.num_cached_tokens = seq.num_registered_blocks = 0
 
-    def _attach_cached_prefix(self, seq: Sequence) -> None:
+    def _attach_cached_prefix(self, seq: Sequence) -> tuple[int, int] | None:
+        """Give a waiting sequence its cached leading blocks; (blocks looked up, blocks found),
+        None when prefix caching is off."""
         if not self.allocator.enable_prefix_caching:
-            return
+            return None
         self._extend_hashes(seq, seq.num_tokens)
         # Leave at least one token to compute: its logits give the next token.
         usable = (seq.num_tokens - 1) // self.block_size
@@ -251,6 +254,7 @@ class Scheduler:
         seq.block_ids = blocks
         seq.num_computed_tokens = seq.num_cached_tokens = len(blocks) * self.block_size
         seq.num_registered_blocks = len(blocks)
+        return usable, len(blocks)
 
     def _extend_hashes(self, seq: Sequence, num_tokens: int) -> None:
         full = num_tokens // self.block_size

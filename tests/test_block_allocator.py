@@ -245,16 +245,21 @@ def test_prefix_hit_returns_same_blocks_and_increments_refcount():
     assert [allocator.refcount(b) for b in blocks] == [1, 1]
 
 
-def test_the_hit_counters_count_looked_up_blocks_not_allocations():
-    """What the router's stats line divides: hits over lookups, never above 100%."""
+def test_the_hit_counters_count_recorded_lookups_only():
+    """What the router's stats line divides: hits over lookups, never above 100%. A match
+    counts nothing by itself (the scheduler records a prompt's lookup once, at admission,
+    however often it retries), nor does a fresh allocation."""
     allocator = BlockAllocator(8, block_size=4)
     blocks = fill_and_register(allocator, list(range(8)))
-    assert (allocator.prefix_queried_blocks, allocator.prefix_hit_blocks) == (0, 0)
     matched = allocator.match_prefix(compute_block_hashes(list(range(8)) + [7] * 8, 4))
     assert matched == blocks
-    assert (allocator.prefix_queried_blocks, allocator.prefix_hit_blocks) == (4, 2)
     allocator.allocate(3)
-    assert (allocator.prefix_queried_blocks, allocator.prefix_hit_blocks) == (4, 2)
+    assert (allocator.prefix_queried_blocks, allocator.prefix_hit_blocks) == (0, 0)
+    allocator.record_prefix_lookup(4, 2)
+    allocator.record_prefix_lookup(3, 0)
+    assert (allocator.prefix_queried_blocks, allocator.prefix_hit_blocks) == (7, 2)
+    with pytest.raises(ValueError, match="a lookup of 1 blocks cannot hit 2"):
+        allocator.record_prefix_lookup(1, 2)
 
 
 def test_prefix_match_stops_at_first_unregistered_hash():

@@ -293,6 +293,32 @@ def test_finished_request_leaves_its_blocks_cached_for_a_later_one():
     assert b.num_cached_tokens == 32
 
 
+def test_a_prefix_lookup_counts_once_however_often_its_admission_is_retried():
+    """The hit counters the router's stats line divides: a waiting prompt whose blocks do not
+    fit gives its cached match back and looks it up again at every step; only the lookup of
+    the admission that succeeds counts."""
+    scheduler = make_scheduler(num_blocks=6, block_size=4)
+    allocator = scheduler.allocator
+    shared = list(range(100, 108))
+    scheduler.add(make_seq("s0", shared, max_tokens=1))
+    run_until_idle(scheduler)
+    assert allocator.stats().num_cached == 2
+    counted = (allocator.prefix_queried_blocks, allocator.prefix_hit_blocks)
+
+    held = allocator.allocate(4)  # the rest of the pool, e.g. running requests
+    w = make_seq("w", [*shared, 1, 2, 3, 4, 5])  # 13 tokens: 2 cached blocks + 2 new ones
+    scheduler.add(w)
+    for _ in range(5):
+        assert not scheduler.schedule()
+    assert (allocator.prefix_queried_blocks, allocator.prefix_hit_blocks) == counted
+
+    allocator.free(held)
+    assert rows(scheduler.schedule()) == [("w", 8, 5)]
+    looked_up, found = (13 - 1) // 4, 2  # the last token is always computed
+    assert allocator.prefix_queried_blocks == counted[0] + looked_up
+    assert allocator.prefix_hit_blocks == counted[1] + found
+
+
 def test_without_prefix_caching_identical_prompts_share_nothing():
     scheduler = make_scheduler(block_size=16, enable_prefix_caching=False)
     prompt = list(range(500, 540))
