@@ -61,6 +61,11 @@ class EngineCore:
         self.runner = worker.runner
         self.overlap = overlap
         self._in_flight: StepHandle | None = None
+        # The last step() found work but scheduled, preempted and resolved nothing: the head
+        # waiting prompt's blocks are not free. Until something outside the scheduler frees
+        # some (an ending, a finished transfer), stepping again changes nothing, so a loop
+        # should wait for that rather than spin.
+        self.stalled = False
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
@@ -101,6 +106,8 @@ class EngineCore:
         if self._in_flight is None:  # nothing runs: every held block is free again
             self.scheduler.hold_frees = False
             self.worker.allocator.free(self.scheduler.take_held())
+        progressed = batch or batch.preempted or early or outputs
+        self.stalled = not progressed and self.scheduler.has_work()
         return early + outputs
 
     def _needs_host_tokens(self) -> bool:

@@ -125,22 +125,29 @@ class DecodeNode:
         self.lifecycle.stop()
 
     def step(self) -> None:
-        busy = self.core.has_work()
-        # Idle, the wait goes to the socket that matters next: the KV receiver while transfers
-        # are in flight (their completion is on the path to the second token), else the inbox.
-        awaiting_kv = bool(self.reservations.reserved or self.quarantined)
-        inbox_wait = 0.0 if busy or awaiting_kv else 0.005
+        inbox_wait, kv_wait = self._waits()
         for message, decode_s in self.channel.receive_timed(timeout_s=inbox_wait):
             self.handle(message, decode_s)
         if self.receiver is not None:
             self._reserve_blocks()
-            kv_wait = 0.001 if awaiting_kv and not busy else 0.0
             for transfer in self.receiver.poll(timeout_s=kv_wait):
                 self._transfer_ended(transfer)
         if self.core.has_work():
             self._decode_step()
         self._expire()
         self.channel.publish_load(self._load)
+
+    def _waits(self) -> tuple[float, float]:
+        """(inbox wait, KV receiver wait) of the next step: no wait while there are steps to run.
+        Idle, or stalled (the engine's head prompt waits for blocks, which reservations and
+        quarantined transfers may hold), the wait goes to the socket that matters next: the KV
+        receiver while transfers are in flight (their completion is on the path to the second
+        token), else the inbox."""
+        if self.core.has_work() and not self.core.stalled:
+            return 0.0, 0.0
+        if self.reservations.reserved or self.quarantined:
+            return 0.0, 0.001
+        return 0.005, 0.0
 
     def handle(self, message: object, decode_s: float = 0.0) -> None:
         """`decode_s`: how long parsing the message took (colocated: reported as node_decode)."""

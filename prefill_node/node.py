@@ -114,21 +114,24 @@ class PrefillNode:
         self.lifecycle.stop()
 
     def step(self) -> None:
-        # Idle, the inbox wait is short while transfers are in flight: a sender moves them on
-        # (queued frames, completion notices) only when called, and their completion is on
-        # the path to the decode node's next token.
-        wait = IDLE_WAIT_S
-        if self.core.has_work():
-            wait = 0.0
-        elif any(job.transferring for job in self.jobs.values()):
-            wait = TRANSFER_WAIT_S
-        for message, decode_s in self.channel.receive_timed(timeout_s=wait):
+        for message, decode_s in self.channel.receive_timed(timeout_s=self._inbox_wait()):
             self.handle(message, decode_s)
         if self.core.has_work():
             self._run_batch()
         self._reap_transfers()
         self._expire_jobs()
         self.channel.publish_load(self._load)
+
+    def _inbox_wait(self) -> float:
+        """No wait while there are steps to run. Short while transfers are in flight (a sender
+        moves them on, queued frames and completion notices, only when called, and their
+        completion is on the path to the decode node's next token) or while the engine is
+        stalled (its head prompt waits for blocks that mostly those transfers hold)."""
+        if self.core.has_work() and not self.core.stalled:
+            return 0.0
+        if self.core.stalled or any(job.transferring for job in self.jobs.values()):
+            return TRANSFER_WAIT_S
+        return IDLE_WAIT_S
 
     def handle(self, message: object, decode_s: float = 0.0) -> None:
         """`decode_s`: how long parsing the message took (reported as node_decode)."""
