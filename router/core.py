@@ -161,7 +161,8 @@ class RouterCore:
         deadline_s: float | None = None,
     ) -> asyncio.Queue[RequestEvent]:
         """Send the request to its nodes and open its event queue. A pool with too many
-        requests waiting gives a 429 (nothing sent), a send failure a 503."""
+        requests waiting gives a 429 (nothing sent), a send failure a 503; on any failure the
+        queue is closed again and the nodes told to drop the request."""
         assert self.link is not None, "route() refuses to run before the link exists"
         pd = route.prefill is not None
         self.admission.check(pd)
@@ -180,10 +181,14 @@ class RouterCore:
                         request_id, ids, sampling, route.decode, route.decode_kv_address, deadline_s
                     ),
                 )
-        except SendError as exc:
+        except BaseException as exc:
+            # Whatever failed (a full socket, a message the codec refuses), nothing of the
+            # request may stay behind: the queue would never be released.
             self.abort(request_id, route)
             self.events.close(request_id)
-            raise OpenAIError(503, str(exc)) from None
+            if isinstance(exc, SendError):
+                raise OpenAIError(503, str(exc)) from None
+            raise
         prompt = prepared.prompt_token_ids  # the list route() hashed: hashing is faster on it
         if route.prefill is not None:
             self.policies["prefill"].sent(route.prefill, prompt)

@@ -22,8 +22,6 @@ from router.errors import OpenAIError, invalid
 from router.protocol import ChatCompletionRequest, CompletionRequest, _GenerationFields
 from router.tools import ToolPlan, grammar_schema, plan_tools
 
-SEED_RANGE = (-(2**63), 2**63 - 1)  # what msgpack and torch generators accept
-
 
 @dataclass(frozen=True)
 class ModelLimits:
@@ -176,6 +174,12 @@ def apply_limits(prepared: PreparedRequest, limits: ModelLimits) -> PreparedRequ
             field,
         )
     if params.max_tokens is None:
+        if params.min_tokens > context - n:  # checked by SamplingParams when max_tokens is given
+            raise invalid(
+                f"min_tokens ({params.min_tokens}) must not exceed max_tokens, which defaults to "
+                f"the {context - n} tokens of context left after the prompt",
+                "min_tokens",
+            )
         params = dataclasses.replace(params, max_tokens=context - n)
     elif n + params.max_tokens > context:
         raise invalid(
@@ -197,13 +201,6 @@ def _prepared(
 ) -> PreparedRequest:
     if not ids:
         raise invalid("the prompt is empty", "messages" if kind == "chat" else "prompt")
-    if req.seed is not None and not SEED_RANGE[0] <= req.seed <= SEED_RANGE[1]:
-        raise invalid(f"seed must be a 64-bit signed integer, got {req.seed}", "seed")
-    if max_tokens is not None and req.min_tokens is not None and req.min_tokens > max_tokens:
-        raise invalid(
-            f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",
-            "min_tokens",
-        )
     options = {
         "n": req.n,
         "temperature": req.temperature,

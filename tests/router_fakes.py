@@ -2,7 +2,9 @@
 
 `LoopbackNodes` is a `NodeLink` that records every message the router sends and answers each
 one with the events a script returns, delivered on the next turns of the event loop exactly as
-the events socket would deliver them. `heartbeat()` builds a valid Heartbeat.
+the events socket would deliver them. Messages go through the real wire codec both ways
+(`encode` then `decode`), so what the sockets would refuse fails here too. `heartbeat()` builds
+a valid Heartbeat.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from common.messages import (
     Heartbeat,
     PrefillRequest,
     TokenBatch,
+    decode,
+    encode,
 )
 from router.node_link import SendError
 
@@ -69,12 +73,13 @@ class LoopbackNodes:
     def send(self, node_id: str, message: Any) -> None:
         if node_id in self.unreachable:
             raise SendError(f"node {node_id} is unreachable (loopback)")
+        message = decode(encode(message))  # what the node would receive
         self.sent.append((node_id, message))
         if self.script is None or self.deliver is None:
             return
         loop = asyncio.get_running_loop()
         for event in self.script(node_id, message):
-            loop.call_soon(self.deliver, event)
+            loop.call_soon(self.deliver, decode(encode(event)))
 
     def connect(self, node_id: str) -> bool:
         self.connected.append(node_id)

@@ -86,6 +86,13 @@ BAD_REQUESTS = [
     ("top_logprobs_without_logprobs", CHAT, {"messages": HI, "top_logprobs": 2}, "top_logprobs"),
     ("top_logprobs_too_many", CHAT, {"messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("min_tokens_above_max_tokens", TEXT, {"prompt": "a", "max_tokens": 2, "min_tokens": 5}, "min_tokens"),
+    ("min_tokens_above_the_default_max_tokens", TEXT, {"prompt": [1, 2, 3], "min_tokens": 62}, "min_tokens"),
+    ("min_tokens_beyond_64_bits", TEXT, {"prompt": [1, 2, 3], "min_tokens": 2**64}, "min_tokens"),
+    ("top_k_beyond_64_bits", TEXT, {"prompt": [1, 2, 3], "top_k": 2**64}, "top_k"),
+    ("top_k_beyond_int32", TEXT, {"prompt": [1, 2, 3], "top_k": 2**40}, "top_k"),
+    ("repetition_penalty_nan", TEXT, {"prompt": "a", "repetition_penalty": float("nan")}, "repetition_penalty"),
+    ("repetition_penalty_infinite", TEXT, {"prompt": "a", "repetition_penalty": float("inf")}, "repetition_penalty"),
+    ("temperature_infinite", TEXT, {"prompt": "a", "temperature": float("inf")}, "temperature"),
     ("seed_beyond_64_bits", TEXT, {"prompt": "a", "seed": 2**70}, "seed"),
     ("stop_token_outside_vocab", TEXT, {"prompt": "a", "stop_token_ids": [10**6]}, "stop_token_ids"),
     ("echo", TEXT, {"prompt": "a", "echo": True}, "echo"),
@@ -99,6 +106,16 @@ def test_invalid_requests_are_openai_400s(app, path, body, param):
     beat(app)
     assert_openai_error(call(app, "POST", path, body), 400, param)
     assert app.state.core.link.sent == []  # nothing reached a node
+
+
+def test_an_integer_too_large_for_the_wire_is_a_400_that_leaves_no_request_open(app):
+    # The loopback link encodes every message as the sockets do: 2**64 does not fit msgpack.
+    beat(app)
+    message = assert_openai_error(
+        call(app, "POST", TEXT, {"prompt": [1, 2, 3], "top_k": 2**64}), 400, "top_k"
+    )
+    assert str(2**64) in message
+    assert len(app.state.core.events) == 0
 
 
 def test_over_long_prompt_message_names_the_context_length(app):

@@ -400,6 +400,20 @@ def test_send_failure_is_503_and_leaves_nothing_in_flight(make):
     assert metric(core.metrics.render(), "pdserve:router_requests_in_flight") == 0
 
 
+def test_any_failure_while_sending_is_cleaned_up_and_leaves_nothing_in_flight(make):
+    def refused_by_the_codec(node_id: str, message: Any) -> list[Any]:
+        if isinstance(message, PrefillRequest):
+            raise OverflowError("Integer value out of range")  # what msgpack raises
+        return []
+
+    app, core, link = make(refused_by_the_codec)
+    response = post(app, TEXT, {"prompt": "x"})
+    assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"
+    assert {node for node, _ in link.sent_of(Abort)} == {P, D}
+    assert len(core.events) == 0
+    assert metric(core.metrics.render(), "pdserve:router_requests_in_flight") == 0
+
+
 def asgi_scope(path: str) -> dict[str, Any]:
     return {
         "type": "http",

@@ -121,12 +121,13 @@ def test_random_traffic_keeps_block_accounting_exact_and_drains_to_zero(seed):
         cut = rng.randint(0, length)
         prompt = rng.choice(stems)[:cut]
         prompt += [rng.randrange(3, 60) for _ in range(length - len(prompt))]
+        max_tokens = rng.randint(1, 24)
         seq = make_seq(
             f"r{next_id}",
             prompt,
             max_model_len=max_model_len,
-            max_tokens=rng.randint(1, 24),
-            min_tokens=rng.choice([0, 0, 2]),
+            max_tokens=max_tokens,
+            min_tokens=min(max_tokens, rng.choice([0, 0, 2])),  # SamplingParams: min <= max
             ignore_eos=rng.random() < 0.3,
         )
         next_id += 1
