@@ -36,11 +36,11 @@ def chat_prompt_ids(
     add_generation_prompt = req.add_generation_prompt
     if add_generation_prompt is None:
         add_generation_prompt = not req.continue_final_message
+    messages = template_messages(req.messages)  # first: it refuses an empty list
     if req.continue_final_message and req.messages[-1].role != "assistant":
         raise invalid(
             "continue_final_message needs an assistant message last", "continue_final_message"
         )
-    messages = template_messages(req.messages)
     try:
         return apply_chat_template(
             tokenizer,

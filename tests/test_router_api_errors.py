@@ -64,6 +64,7 @@ BAD_REQUESTS = [
     ("bool_max_tokens", TEXT, {"prompt": "a", "max_tokens": True}, "max_tokens"),
     ("float_max_tokens", TEXT, {"prompt": "a", "max_tokens": 2.5}, "max_tokens"),
     ("empty_messages", CHAT, {"messages": []}, "messages"),
+    ("empty_messages_to_continue", CHAT, {"messages": [], "continue_final_message": True}, "messages"),
     ("messages_not_a_list", CHAT, {"messages": "hi"}, "messages"),
     ("unknown_role", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ("image_part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),

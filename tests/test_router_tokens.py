@@ -29,6 +29,10 @@ def test_tokenize_and_detokenize_refuse_bad_input(app):
     assert_openai_error(call(app, "POST", "/tokenize", {}), 400, "prompt")
     assert_openai_error(call(app, "POST", "/tokenize", {"prompt": "a", "messages": HI}), 400)
     assert_openai_error(call(app, "POST", "/tokenize", {"prompt": 3}), 400, "prompt")
+    for messages in ([], [{"role": "user", "content": "hi"}]):
+        body = {"messages": messages, "continue_final_message": True}
+        param = "messages" if not messages else "continue_final_message"
+        assert_openai_error(call(app, "POST", "/tokenize", body), 400, param)
     assert_openai_error(call(app, "POST", "/tokenize", {"prompt": "a", "model": "x"}), 404)
     assert_openai_error(call(app, "POST", "/detokenize", {"tokens": [10**9]}), 400, "tokens")
     assert_openai_error(call(app, "POST", "/detokenize", {"tokens": [1], "x": 1}), 400, "x")
