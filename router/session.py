@@ -105,7 +105,7 @@ class Session:
         ]
         self.status: int | None = None  # final status once known (200, an error, or 499)
         self._first_seen = route.prefill is None  # PD: decode outputs wait for the FirstToken
-        self._decoding = False  # a decode output after the first token was handled
+        self._decoding = False  # the first token and a decode output were both handled
         self._early: list[TokenOutput] = []
         self._nodes_done = False  # the nodes are done with the request: nothing to abort
         self._closed = False
@@ -177,6 +177,8 @@ class Session:
             timeout = self.core.config.request_timeout_s
             raise OpenAIError(504, f"the request did not finish within {timeout} s")
         if isinstance(event, NodeLost):
+            if event.node_id == self.route.prefill and self._decoding:
+                return []  # queued before the decode node's takeover was read: harmless
             raise OpenAIError(503, f"node {event.node_id} failed: {event.reason}")
         if isinstance(event, RequestError):
             status = event.status if 400 <= event.status <= 599 else 500
@@ -189,17 +191,15 @@ class Session:
             first = TokenPiece(event.token_id, event.logprob, _pairs(event.top_logprobs))
             outputs.append((0, [first], event.finished, event.finish_reason))
             early, self._early = self._early, []
+            if early:
+                self._decode_took_over()
         else:
             if not self._decoding:
                 self.core.admission.decoding(self.request_id)
             if not self._first_seen:
                 self._early.append(event)  # overtook the prefill node's first token
                 return []
-            if not self._decoding:  # once: later events find nothing left to change
-                self._decoding = True
-                if self.route.prefill is not None:
-                    # The decode node runs on its own now: losing the prefill node is harmless.
-                    self.core.events.forget_node(self.request_id, self.route.prefill)
+            self._decode_took_over()
             early = [event]
         for output in early:
             if 0 <= output.index < len(self.choices):
@@ -218,6 +218,16 @@ class Session:
             delta.pieces += accepted
             delta.finish_reason = choice.finish_reason
         return [d for d in deltas.values() if d.text or d.pieces or d.finish_reason]
+
+    def _decode_took_over(self) -> None:
+        """The first token and a decode output are both in: the decode node runs on its own
+        now and losing the prefill node is harmless. (Before the first token it is not: the
+        prefill node sends that token.)"""
+        if self._decoding:
+            return
+        self._decoding = True
+        if self.route.prefill is not None:
+            self.core.events.forget_node(self.request_id, self.route.prefill)
 
     def _accept(
         self,

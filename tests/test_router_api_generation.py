@@ -378,6 +378,92 @@ def test_losing_the_prefill_node_after_decode_took_over_is_harmless(make, answer
     assert asyncio.run(scenario()).json()["choices"][0]["text"] == ANSWER
 
 
+def held_script(answer_ids: list[int], held: dict[str, list[Any]]) -> Script:
+    """Nodes whose events the test delivers itself, in the order it chooses."""
+
+    def script(node_id: str, message: Any) -> list[Any]:
+        events = generation_script(answer_ids)(node_id, message)
+        if events:
+            held[message.request_id] = events
+        return []
+
+    return script
+
+
+def drained(core) -> bool:
+    """Every open request's session has read all of its queued events."""
+    return all(entry.queue.empty() for entry in core.events._open.values())
+
+
+def prefill_dies(core) -> None:
+    core.clock.now += 2.0
+    core.on_message(heartbeat(D, "decode"))
+    core.clock.now += 1.5
+    assert core.sweep() == [P]
+
+
+def test_losing_the_prefill_node_after_an_overtaking_decode_output_is_harmless(make, answer_ids):
+    held: dict[str, list[Any]] = {}
+    app, core, _ = make(held_script(answer_ids, held))
+
+    async def scenario() -> httpx.Response:
+        async with client(app) as c:
+            task = asyncio.create_task(c.post(TEXT, json={"prompt": "x"}))
+            await until(lambda: bool(held))
+            ((first, decoded, *rest),) = held.values()
+            core.on_message(decoded)  # overtakes the first token
+            core.on_message(first)
+            await until(lambda: drained(core))
+            prefill_dies(core)
+            for event in rest:
+                core.on_message(event)
+            return await task
+
+    response = asyncio.run(scenario())
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == ANSWER
+
+
+def test_a_prefill_loss_queued_behind_a_decode_output_is_harmless(make, answer_ids):
+    held: dict[str, list[Any]] = {}
+    app, core, _ = make(held_script(answer_ids, held))
+
+    async def scenario() -> httpx.Response:
+        async with client(app) as c:
+            task = asyncio.create_task(c.post(TEXT, json={"prompt": "x"}))
+            await until(lambda: bool(held))
+            ((first, decoded, *rest),) = held.values()
+            core.on_message(first)
+            await until(lambda: drained(core))
+            core.on_message(decoded)  # queued: the session has not read it yet ...
+            prefill_dies(core)  # ... when the prefill node is declared dead
+            for event in rest:
+                core.on_message(event)
+            return await task
+
+    response = asyncio.run(scenario())
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == ANSWER
+
+
+def test_losing_the_prefill_node_before_its_first_token_fails_the_request(make, answer_ids):
+    held: dict[str, list[Any]] = {}
+    app, core, _ = make(held_script(answer_ids, held))
+
+    async def scenario() -> httpx.Response:
+        async with client(app) as c:
+            task = asyncio.create_task(c.post(TEXT, json={"prompt": "x"}))
+            await until(lambda: bool(held))
+            ((_, decoded, *_),) = held.values()
+            core.on_message(decoded)  # the first token, the prefill node's, never comes
+            await until(lambda: drained(core))
+            prefill_dies(core)
+            return await task
+
+    response = asyncio.run(scenario())
+    assert response.status_code == 503 and P in response.json()["error"]["message"]
+
+
 def test_request_timeout_is_504_and_aborts_the_nodes(make):
     def stall(node_id: str, message: Any) -> list[Any]:
         app.state.core.clock.now += 601.0  # the nodes take longer than --request-timeout
