@@ -92,7 +92,9 @@ class RouterMetrics:
             return Histogram(name, text, [*m, *labels], buckets=LATENCY_BUCKETS, registry=reg)
 
         self.ttft = hist("pdserve:time_to_first_token_seconds", "Arrival to first token.")
-        self.itl = hist("pdserve:inter_token_latency_seconds", "Gaps between token arrivals.")
+        self.itl = hist(
+            "pdserve:inter_token_latency_seconds", "Gaps between token arrivals of a choice."
+        )
         self.e2e = hist("pdserve:e2e_request_latency_seconds", "Arrival to finish.")
         self.queue_time = hist("pdserve:request_queue_time_seconds", "Prefill queue time.")
         self.prefill_time = hist("pdserve:request_prefill_time_seconds", "Prefill compute.")

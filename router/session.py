@@ -207,8 +207,11 @@ class Session:
                 outputs.append(
                     (output.index, _pieces(output), output.finished, output.finish_reason)
                 )
-        if any(pieces for _, pieces, _, _ in outputs):
-            self.marks.tokens_arrived(self.core.clock())
+        arrived = dict.fromkeys(index for index, pieces, _, _ in outputs if pieces)
+        if arrived:
+            now = self.core.clock()
+            for index in arrived:  # one arrival per choice, however many outputs it had here
+                self.marks.tokens_arrived(now, index)
         deltas: dict[int, Delta] = {}
         for index, pieces, finished, reason in outputs:
             choice = self.choices[index]

@@ -43,13 +43,15 @@ class TimingMarks:
     sent: float | None = None  # messages encoded and handed to the sockets
     first_token: float | None = None
     finished: float | None = None
-    token_arrivals: list[float] = field(default_factory=list)  # one per event carrying tokens
+    # Per choice (n > 1 has several): one arrival per event that carried tokens of it. Gaps are
+    # taken within a choice; one decode step brings a row of every choice at the same moment.
+    token_arrivals: dict[int, list[float]] = field(default_factory=dict)
     node_timing: dict[str, float] = field(default_factory=dict)
 
-    def tokens_arrived(self, now: float) -> None:
+    def tokens_arrived(self, now: float, index: int = 0) -> None:
         if self.first_token is None:
             self.first_token = now
-        self.token_arrivals.append(now)
+        self.token_arrivals.setdefault(index, []).append(now)
 
     def merge_node_timing(self, timing: dict[str, Any] | None) -> None:
         for key, value in (timing or {}).items():
@@ -133,7 +135,9 @@ def assemble(marks: TimingMarks, now: float) -> TimingRecord:
         )
     end = marks.finished if marks.finished is not None else now
     gaps = tuple(
-        b - a for a, b in zip(marks.token_arrivals[:-1], marks.token_arrivals[1:], strict=True)
+        b - a
+        for arrivals in marks.token_arrivals.values()
+        for a, b in zip(arrivals[:-1], arrivals[1:], strict=True)
     )
     return TimingRecord(
         router_queue_tokenize=queue,

@@ -3,16 +3,22 @@ a choice that ends early (stop string) stops only its own sample on the decode n
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
+import httpx
 import pytest
 
-from common.messages import Abort, DecodeRequest, TokenBatch
+from common.messages import Abort, DecodeRequest, FirstToken, PrefillRequest, TokenBatch
 from router.app import create_app
 from router.config import RouterConfig
-from tests.router_fakes import LoopbackNodes, ManualClock, heartbeat
+from tests.router_fakes import LoopbackNodes, ManualClock, heartbeat, metric
 from tests.test_router_api_errors import CHAT, HI, TEXT, call
-from tests.test_router_api_generation import sse_events
+from tests.test_router_api_generation import client, drained, sse_events, until
 
 C = "tcp://127.0.0.1:5801"
+P, D = "tcp://127.0.0.1:5601", "tcp://127.0.0.1:5701"
+STEP = 0.25  # seconds between decode steps; a power of two, so clock differences are exact
 
 
 def colocated_app(source, tokenizer, answers: dict[int, str]):
@@ -87,3 +93,61 @@ def test_sample_indices_travel_in_token_batches_and_aborts():
     assert decode(encode(Abort("r", 1))) == Abort("r", 1)
     with pytest.raises(MessageError, match="differ in length"):
         TokenBatch(["r"], [5], [None], indices=[0, 1])
+
+
+def pd_app(source, tokenizer):
+    """PD nodes that answer nothing on their own: the test delivers every event itself."""
+    link = LoopbackNodes()
+    config = RouterConfig(prefill=(P,), decode=(D,))
+    clock = ManualClock()
+    app = create_app(config, source=source, tokenizer=tokenizer, link=link, clock=clock)
+    for node, role in [(P, "prefill"), (D, "decode")]:
+        app.state.core.on_message(heartbeat(node, role))
+    return app, link
+
+
+def step(rid: str, tokens: list[int], finished: bool = False) -> TokenBatch:
+    """One decode step of an n = len(tokens) request: a row per sample."""
+    reasons = ["length" if finished else None] * len(tokens)
+    return TokenBatch([rid] * len(tokens), tokens, reasons, indices=list(range(len(tokens))))
+
+
+def run_pd(app, link, body: dict[str, Any], events: list[Any]) -> httpx.Response:
+    """POST `body`; deliver the FirstToken and then `events`, STEP seconds apart, each one
+    read by the session before the clock moves on."""
+    core = app.state.core
+
+    async def scenario() -> httpx.Response:
+        async with client(app) as c:
+            task = asyncio.create_task(c.post(TEXT, json=body))
+            await until(lambda: bool(link.sent_of(PrefillRequest)))
+            rid = link.sent_of(PrefillRequest)[0][1].request_id
+            for event in events:
+                core.on_message(event(rid))
+                await until(lambda: drained(core))
+                core.clock.now += STEP
+            return await task
+
+    return asyncio.run(scenario())
+
+
+def first_token(token: int):
+    return lambda rid: FirstToken(rid, token, None, None, False, None, 0, {})
+
+
+def test_inter_token_gaps_are_measured_within_each_choice(source, tokenizer):
+    app, link = pd_app(source, tokenizer)
+    events = [first_token(5), lambda r: step(r, [6, 7]), lambda r: step(r, [8, 9], True)]
+    response = run_pd(app, link, {"prompt": [1, 2], "n": 2, "max_tokens": 8}, events)
+    assert response.status_code == 200, response.text
+    # Choice 0: first token, step 1, step 2; choice 1: step 1, step 2. Every gap is one step.
+    assert response.json()["timing"]["decode_intervals"] == {
+        "count": 3,
+        "mean": STEP,
+        "p50": STEP,
+        "p99": STEP,
+        "max": STEP,
+    }
+    text = app.state.core.metrics.render()
+    assert metric(text, "pdserve:inter_token_latency_seconds_count") == 3
+    assert metric(text, "pdserve:inter_token_latency_seconds_sum") == 3 * STEP
