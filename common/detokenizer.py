@@ -3,6 +3,9 @@
 Text is released only when it is final: an incomplete UTF-8 sequence (decoded as U+FFFD) waits
 for the next token, and the last `len(longest stop) - 1` characters wait until they cannot be
 the start of a stop string. A matched stop string and everything after it are never released.
+With `min_tokens`, stop strings are searched as vLLM does: only once more than `min_tokens`
+tokens were produced, and only in the text after the first `min_tokens` tokens' (a match may
+start up to `len(stop) - 1` characters before it).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         stop: list[str] | None = None,
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.token_ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
@@ -32,18 +36,26 @@ class IncrementalDetokenizer:
         self.released = 0  # characters of `text` already handed out
         self.stopped_on: str | None = None
         self.skip_special_tokens = skip_special_tokens
+        self.min_tokens = min_tokens
+        self.produced = 0  # output tokens added so far
 
     def add(self, token_ids: list[int]) -> str:
         """Feed new tokens; return the text that is now safe to emit."""
         if self.stopped_on is not None:
             return ""
-        start = len(self.text)
+        new_from = len(self.text)  # the text before it was searched already
         for token in token_ids:
             self.token_ids.append(token)
             self.text += self._decode_step()
-        if self.stop:
-            search_from = max(0, start - self.hold)
-            hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+            self.produced += 1
+            if self.produced <= self.min_tokens:
+                new_from = len(self.text)  # never searched: the sample must go on
+        if self.stop and self.produced > self.min_tokens:
+            hits = [
+                (i, s)
+                for s in self.stop
+                if (i := self.text.find(s, max(0, new_from - len(s) + 1))) >= 0
+            ]
             if hits:
                 index, stop = min(hits)
                 self.text = self.text[:index]

@@ -92,7 +92,9 @@ class LLM:
             order.append(rid)
             outputs[rid] = RequestOutput(rid, ids)
             if self.tokenizer is not None:
-                detoks[rid] = IncrementalDetokenizer(self.tokenizer, ids, p.stop)
+                detoks[rid] = IncrementalDetokenizer(
+                    self.tokenizer, ids, p.stop, min_tokens=p.min_tokens
+                )
         while self.engine.has_unfinished():
             for event in self.engine.step():
                 seq, out = event.seq, outputs[event.seq.request_id]

@@ -96,7 +96,11 @@ class Session:
             _Choice(
                 i,
                 IncrementalDetokenizer(
-                    tokenizer, prepared.prompt_token_ids, params.stop, prepared.skip_special_tokens
+                    tokenizer,
+                    prepared.prompt_token_ids,
+                    params.stop,
+                    prepared.skip_special_tokens,
+                    params.min_tokens,
                 )
                 if tokenizer is not None
                 else _NoText(),

@@ -200,6 +200,18 @@ def test_stop_string_ends_the_request_and_aborts_both_nodes(make, answer_ids, to
     assert len(core.events) == 0
 
 
+def test_a_stop_string_ends_a_choice_only_after_min_tokens(make, tokenizer):
+    ids = tokenizer.encode(" b b b x", add_special_tokens=False)  # " b" " b" " b" " x"
+    app, _, link = make(generation_script(ids))
+    body = post(app, TEXT, {"prompt": "x", "stop": "b", "min_tokens": 3}).json()
+    assert body["choices"][0]["text"] == " b b b x"
+    assert body["usage"]["completion_tokens"] == 4 and link.sent_of(Abort) == []
+    body = post(app, TEXT, {"prompt": "x", "stop": "b", "min_tokens": 2}).json()
+    assert body["choices"][0]["text"] == " b b "
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == 3
+
+
 def test_streamed_stop_string_never_leaks_into_the_text(make, answer_ids):
     app, _, link = make(generation_script(answer_ids))
     events = sse_events(post(app, CHAT, {"messages": HI, "stop": "s a", "stream": True}))
