@@ -71,6 +71,7 @@ class _Choice:
     finish_reason: str | None = None
     node_done: bool = False  # the node ended this sample itself
     on_decode: bool = False  # the decode node sent tokens of it, so it can be aborted there
+    aborted: bool = False  # the router told the decode node to stop this sample
 
 
 class Session:
@@ -207,7 +208,12 @@ class Session:
             early = [event]
         for output in early:
             if 0 <= output.index < len(self.choices):
-                self.choices[output.index].on_decode = True
+                choice = self.choices[output.index]
+                choice.on_decode = True
+                if choice.finish_reason is not None and not (choice.node_done or output.finished):
+                    # Ended by the router before the decode node had it (the first token hit
+                    # a stop string or max_tokens): the node runs it on until told.
+                    self._abort_sample(choice)
                 outputs.append(
                     (output.index, _pieces(output), output.finished, output.finish_reason)
                 )
@@ -274,14 +280,20 @@ class Session:
         choice.node_done = node_done
         if not self.finished:
             if not node_done and choice.on_decode:
-                # Only this sample is over: the decode node stops it, the others go on.
-                self.core.abort_sample(self.request_id, self.route, choice.index)
+                self._abort_sample(choice)
             return
         self.status = 200
         self.marks.finished = self.core.clock()
         if not all(c.node_done for c in self.choices):
             self.core.abort(self.request_id, self.route)
         self._nodes_done = True  # finished by the nodes, or aborted now: close() need not
+
+    def _abort_sample(self, choice: _Choice) -> None:
+        """Only this sample is over: the decode node stops it, the others go on. Once, and
+        never once the whole request ended (then the request is aborted, or done)."""
+        if not choice.aborted and not self.finished:
+            choice.aborted = True
+            self.core.abort_sample(self.request_id, self.route, choice.index)
 
 
 def merge_delta(ready: dict[int, Delta], delta: Delta) -> None:

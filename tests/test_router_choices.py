@@ -151,3 +151,21 @@ def test_inter_token_gaps_are_measured_within_each_choice(source, tokenizer):
     text = app.state.core.metrics.render()
     assert metric(text, "pdserve:inter_token_latency_seconds_count") == 3
     assert metric(text, "pdserve:inter_token_latency_seconds_sum") == 3 * STEP
+
+
+def test_a_choice_the_first_token_ended_is_aborted_on_the_decode_node_once(source, tokenizer):
+    app, link = pd_app(source, tokenizer)
+    (b,) = tokenizer.encode("b", add_special_tokens=False)
+    events = [
+        first_token(b),  # sample 0 hits the stop string before the decode node has it
+        lambda r: step(r, [6, 7]),  # ... which goes on with it
+        lambda r: step(r, [8, 9]),
+        lambda r: step(r, [10, 11], True),
+    ]
+    response = run_pd(app, link, {"prompt": [1, 2], "n": 2, "stop": "b"}, events)
+    assert response.status_code == 200, response.text
+    choices = {c["index"]: c for c in response.json()["choices"]}
+    assert (choices[0]["text"], choices[0]["finish_reason"]) == ("", "stop")
+    rid = response.json()["id"]
+    sample_aborts = [(node, m) for node, m in link.sent_of(Abort) if m.index is not None]
+    assert sample_aborts == [(D, Abort(rid, 0))]
