@@ -11,9 +11,17 @@ from typing import Any
 STRUCTURED_TYPES = ("json_object", "json_schema")
 
 
+def load_xgrammar() -> Any:
+    """The xgrammar module, imported on first use: seconds of CPU (it imports torch), which a
+    router runs in a worker thread (`asyncio.to_thread`) rather than stall its event loop."""
+    import xgrammar
+
+    return xgrammar
+
+
 def check_structured(spec: dict[str, Any]) -> None:
     """ValueError (naming the problem) for a spec no grammar can be built from; no tokenizer."""
-    import xgrammar as xgr
+    xgr = load_xgrammar()
 
     kind = spec.get("type")
     if kind not in STRUCTURED_TYPES:

@@ -62,7 +62,7 @@ def create_app(
             owned = ZmqNodeLink(config.events_address, [*config.prefill, *config.decode])
             core.link = owned
             tasks = [
-                asyncio.create_task(owned.run(core.on_message)),
+                asyncio.create_task(owned.run(core.on_message, core.events_read)),
                 asyncio.create_task(core.sweep_forever()),
             ]
             log.info("router listening for node events on %s", config.events_address)
@@ -130,7 +130,7 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        now = core.clock()
+        now = core.liveness_now()
         ok = core.link is not None and core.registry.has_path(now)
         body = {
             "status": "ok" if ok else "unavailable",

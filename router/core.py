@@ -63,6 +63,9 @@ class RouterCore:
         self.metrics = metrics
         self.link = link  # None until the sockets are up (app startup)
         self.clock = clock
+        # When the link's reader last found its socket empty (None: no asynchronous reader,
+        # events are handed in as they happen): see liveness_now.
+        self._events_read_at: float | None = None
         self.registry = NodeRegistry(
             config.prefill,
             config.decode,
@@ -95,9 +98,24 @@ class RouterCore:
             self.ledger.prefill_done(message.request_id)
         self.events.deliver(message)
 
+    def events_read(self) -> None:
+        """The link's reader found no event waiting: every event sent before now was handled."""
+        self._events_read_at = self.clock()
+
+    def liveness_now(self) -> float:
+        """The time heartbeats are judged at: when the reader last caught up with its socket,
+        not the clock, so that a stall of the router's own loop (a long import, a long
+        request preparation) is not taken for its nodes' silence, which would fail requests
+        of healthy nodes. Bounded: under a flood the reader may never find the socket empty,
+        and a node that died then is found at most one heartbeat timeout late."""
+        now = self.clock()
+        if self._events_read_at is None:
+            return now
+        return min(now, max(self._events_read_at, now - self.config.heartbeat_timeout))
+
     def sweep(self) -> list[str]:
         """Fail the requests of nodes that stopped heartbeating; returns those nodes."""
-        now = self.clock()
+        now = self.liveness_now()
         dead = self.registry.sweep(now)
         for node_id in dead:
             self._lose(node_id, f"no heartbeat for {self.config.heartbeat_timeout} s")
@@ -118,7 +136,7 @@ class RouterCore:
     def route(self, prompt: list[int]) -> Route:
         if self.link is None:
             raise OpenAIError(503, "the router is starting up")
-        now = self.clock()
+        now = self.liveness_now()
         if self.registry.colocated:
             decode_role, prefills = "colocated", []
         else:
@@ -234,7 +252,7 @@ class RouterCore:
             self.metrics.waiting.labels(self.metrics.model_name, pool).set(waiting)
 
     def _node_snapshot(self) -> list[tuple[str, str, bool, dict[str, Any], dict[str, Any]]]:
-        now, timeout = self.clock(), self.registry.timeout
+        now, timeout = self.liveness_now(), self.registry.timeout
         return [
             (n.node_id, n.role, n.healthy(now, timeout), n.info, n.load)
             for n in list(self.registry.nodes.values())

@@ -19,6 +19,7 @@ from common.messages import MessageError, decode, encode
 log = logging.getLogger(__name__)
 
 SEND_HWM = 10_000  # messages queued per node before sends fail
+CAUGHT_UP_MS = 100  # an idle reader reports that it caught up at least this often
 
 
 class SendError(RuntimeError):
@@ -78,9 +79,18 @@ class ZmqNodeLink:
         except zmq.ZMQError as exc:
             raise SendError(f"cannot send to node {node_id}: {exc}") from None
 
-    async def run(self, on_message: Callable[[Any], None]) -> None:
-        """Read events until cancelled; a bad frame or a failing handler never stops the loop."""
+    async def run(
+        self, on_message: Callable[[Any], None], on_caught_up: Callable[[], None] | None = None
+    ) -> None:
+        """Read events until cancelled; a bad frame or a failing handler never stops the loop.
+        `on_caught_up` is called whenever no event is waiting (at least every CAUGHT_UP_MS):
+        every event sent before then has been handled."""
         while True:
+            if not self._events.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                if on_caught_up is not None:
+                    on_caught_up()
+                if not await self._events.poll(CAUGHT_UP_MS):
+                    continue
             frame = await self._events.recv()
             try:
                 message = decode(frame)

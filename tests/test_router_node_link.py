@@ -56,3 +56,32 @@ def test_sending_to_a_node_not_on_the_command_line_fails(tmp_path):
             link.send("tcp://127.0.0.1:1", Abort("r"))
     finally:
         link.close()
+
+
+def test_the_reader_handles_every_event_and_repeats_that_it_caught_up_while_idle(tmp_path):
+    """What RouterCore.liveness_now relies on: "caught up" is said between events only when
+    none is waiting, and an idle reader keeps saying it."""
+    events = f"ipc://{tmp_path}/events"
+
+    async def scenario() -> list:
+        ctx = zmq.asyncio.Context()
+        link = ZmqNodeLink(events, [])
+        log: list = []
+        reader = asyncio.create_task(link.run(log.append, lambda: log.append("caught up")))
+        node = ctx.socket(zmq.PUSH)
+        node.connect(events)
+        try:
+            for i in range(50):
+                await node.send(encode(heartbeat(f"tcp://127.0.0.1:{6000 + i}", "prefill")))
+            done = lambda: len(log) - log.count("caught up") == 50 and log[-3:] == ["caught up"] * 3  # noqa: E731
+            await asyncio.wait_for(until(done), timeout=10)
+        finally:
+            reader.cancel()
+            node.close(linger=0)
+            link.close()
+            ctx.term()
+        return log
+
+    log = asyncio.run(scenario())
+    heartbeats = [m for m in log if m != "caught up"]
+    assert all(isinstance(m, Heartbeat) for m in heartbeats) and len(heartbeats) == 50

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from router.config import RouterConfig
 from router.core import RouterCore
+from router.errors import OpenAIError
 from router.metrics import RouterMetrics
 from router.registry import NodeRegistry
 from tests.router_fakes import LoopbackNodes, ManualClock, heartbeat
@@ -179,3 +182,41 @@ def test_the_core_closes_the_line_to_a_forgotten_node():
     core.sweep()
     assert link.disconnected == ["tcp://10.0.0.1:5601"]
     assert core.registry.nodes == {}
+
+
+def stalled_core() -> tuple[RouterCore, ManualClock]:
+    """A router whose reader caught up at t=1000 with fresh heartbeats from both nodes."""
+    clock = ManualClock(1000.0)
+    core = RouterCore(
+        RouterConfig(prefill=[P], decode=[D]), RouterMetrics(), LoopbackNodes(), clock
+    )
+    core.on_message(heartbeat(P, "prefill"))
+    core.on_message(heartbeat(D, "decode"))
+    core.events_read()
+    return core, clock
+
+
+def test_a_stall_of_the_routers_own_loop_is_not_taken_for_silent_nodes():
+    """4 s without reading events (a slow first import inside a request): the heartbeats sent
+    meanwhile wait unread in the socket, so the nodes' silence is the router's own."""
+    core, clock = stalled_core()
+    clock.now += 4.0
+    assert core.route([1, 2, 3]).prefill == P
+    assert core.sweep() == []
+
+
+def test_nodes_silent_once_the_reader_caught_up_are_dead():
+    core, clock = stalled_core()
+    clock.now += 4.0
+    core.events_read()  # read everything: no heartbeat came
+    assert core.sweep() == [P, D]
+    with pytest.raises(OpenAIError, match="no healthy prefill node"):
+        core.route([1, 2, 3])
+
+
+def test_a_reader_that_never_catches_up_finds_dead_nodes_one_timeout_late():
+    core, clock = stalled_core()
+    clock.now += 5.9
+    assert core.sweep() == []
+    clock.now += 0.2  # two timeouts after the last heartbeat
+    assert core.sweep() == [P, D]
