@@ -23,6 +23,7 @@ from common.messages import Heartbeat, MessageError, decode, encode
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
+PEER_SEND_HWM = 1000  # control messages queued for one peer node before to_peer drops them
 
 
 def _host_id() -> str:
@@ -54,10 +55,13 @@ class NodeChannel:
         self._heartbeat: HeartbeatThread | None = None
         self._last_load = 0.0
         self.invalid_messages = 0  # frames dropped as invalid (undecodable, unsigned, mistyped)
+        self.undelivered_messages = 0  # messages to a peer dropped: its queue was full
 
-    def _push(self, address: str) -> zmq.Socket:
+    def _push(self, address: str, send_hwm: int | None = None) -> zmq.Socket:
         sock = self.context.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
+        if send_hwm is not None:
+            sock.setsockopt(zmq.SNDHWM, send_hwm)  # before connect: it sizes the pipe
         try:
             sock.connect(address)
         except zmq.ZMQError:
@@ -93,17 +97,25 @@ class NodeChannel:
         self.router.send(encode(message))
 
     def to_peer(self, address: str, message: Any) -> bool:
-        """Send to a peer node's control socket. `address` came in a message and may be no
-        address at all: False (logged) when it cannot be connected to."""
+        """Send to a peer node's control socket without blocking. False (logged, counted) when
+        `address`, which came in a message, is no address at all, or when PEER_SEND_HWM
+        messages already wait for that peer (it is gone or stuck): a node loop must never
+        hang on a peer."""
         sock = self.peers.get(address)
         if sock is None:
             try:
-                sock = self._push(address)
+                sock = self._push(address, PEER_SEND_HWM)
             except zmq.ZMQError as exc:
                 log.warning("cannot connect to peer %r: %s", address, exc)
                 return False
             self.peers[address] = sock
-        sock.send(encode(message))
+        try:
+            sock.send(encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            self.undelivered_messages += 1
+            log.warning("peer %r takes no more messages: dropped a %s", address,
+                        type(message).__name__)  # fmt: skip
+            return False
         return True
 
     def start_heartbeat(self, info: dict[str, Any]) -> None:

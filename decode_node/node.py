@@ -208,7 +208,7 @@ class DecodeNode:
             if not self.channel.to_peer(prefill_node, reservation):
                 self._abort(rid)  # frees the blocks (or quarantines them: see _abort)
                 message = f"cannot reach prefill node {prefill_node!r}"
-                self.channel.to_router(RequestError(rid, message, 400))
+                self.channel.to_router(RequestError(rid, message, 503))
 
     def _growth_headroom(self) -> int | None:
         """Blocks a new reservation must leave available, or None: reserve nothing now.
@@ -391,6 +391,7 @@ class DecodeNode:
             "quarantined": len(self.quarantined),
             "queued_tokens": sum(s.num_pending_tokens for s in self.scheduler.waiting),
             "invalid_messages": self.channel.invalid_messages,
+            "undelivered_messages": self.channel.undelivered_messages,
             "preemptions": self.scheduler.num_preemptions,
             "kv_late_frames": self.receiver.late_frames if self.receiver else 0,
             "kv_malformed_frames": self.receiver.malformed_frames if self.receiver else 0,

@@ -395,6 +395,7 @@ class PrefillNode:
             "queued_tokens": queued,
             "transferring": sum(1 for j in self.jobs.values() if j.transferring),
             "invalid_messages": self.channel.invalid_messages,
+            "undelivered_messages": self.channel.undelivered_messages,
             "draining": self.lifecycle.draining,
             **self.stats,
         }

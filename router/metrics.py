@@ -52,6 +52,10 @@ NODE_COUNTERS = {
     "kv_malformed_frames": ("pdserve:kv_malformed_frames", "KV frames dropped as malformed."),
     "preemptions": ("pdserve:num_preemptions", "Sequences preempted for KV memory."),
     "invalid_messages": ("pdserve:invalid_messages", "Control frames rejected as invalid."),
+    "undelivered_messages": (
+        "pdserve:undelivered_messages",
+        "Control messages to a peer node dropped because its queue was full.",
+    ),
     "expired_requests": ("pdserve:expired_requests", "Requests dropped at their deadline."),
 }
 

@@ -118,7 +118,7 @@ def decode_node(model_dir, tmp_path):
         h.close()
 
 
-def test_a_decode_request_naming_no_reachable_prefill_node_gets_a_400(decode_node):
+def test_a_decode_request_naming_no_reachable_prefill_node_gets_a_503(decode_node):
     """The router's types allow any string: connecting to "bogus" raised ZMQError out of
     `_reserve_blocks`, with the blocks reserved and the receiver expecting them."""
     h = decode_node()
@@ -126,7 +126,7 @@ def test_a_decode_request_naming_no_reachable_prefill_node_gets_a_400(decode_nod
     h.node.step()
     error = decode(h.router.recv())
     assert isinstance(error, RequestError) and error.request_id == "lost", error
-    assert error.status == 400 and error.message == "cannot reach prefill node 'bogus'"
+    assert error.status == 503 and error.message == "cannot reach prefill node 'bogus'"
     assert h.blocks_used() == 0 and not h.node.timings and not h.node.reservations.reserved
     h.reserves("lost")  # the receiver forgot the id: it may come again
 

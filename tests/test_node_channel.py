@@ -1,0 +1,18 @@
+"""A node's control channel never blocks its loop on a peer that is gone or stuck."""
+
+from __future__ import annotations
+
+from common.messages import Abort
+from common.node_channel import PEER_SEND_HWM, NodeChannel
+
+
+def test_messages_to_a_peer_that_reads_nothing_are_dropped_not_waited_for(tmp_path):
+    channel = NodeChannel(f"ipc://{tmp_path}/node", f"ipc://{tmp_path}/router", "prefill")
+    try:
+        gone = f"ipc://{tmp_path}/gone-peer"  # nobody binds it: nothing is ever read
+        sent = [channel.to_peer(gone, Abort(f"r{i}")) for i in range(3 * PEER_SEND_HWM)]
+        assert all(sent[:PEER_SEND_HWM]), "the queue takes PEER_SEND_HWM messages"
+        assert not sent[-1] and channel.undelivered_messages == sent.count(False) > 0
+        assert channel.to_peer("not an address", Abort("r")) is False
+    finally:
+        channel.close()
