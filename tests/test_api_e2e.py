@@ -89,7 +89,7 @@ def many_json_schema_requests(client, model: str, count: int) -> list:
             response_format=schema_format(PERSON),
         )  # fmt: skip
 
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    with concurrent.futures.ThreadPoolExecutor(count) as pool:  # one decode batch
         return list(pool.map(one, range(count)))
 
 
