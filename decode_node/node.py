@@ -206,7 +206,9 @@ class DecodeNode:
             prefill_node = pending.request.prefill_node
             reservation = Reservation(rid, self.channel.node_id, pending.block_ids)
             if not self.channel.to_peer(prefill_node, reservation):
-                self._abort(rid)  # frees the blocks (or quarantines them: see _abort)
+                self.receiver.withdraw(rid)  # no sender knows the blocks: free them now
+                self.reservations.release(rid)
+                self._end(rid)
                 message = f"cannot reach prefill node {prefill_node!r}"
                 self.channel.to_router(RequestError(rid, message, 503))
 

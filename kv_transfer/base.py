@@ -224,6 +224,12 @@ class KVReceiver(ABC):
         confirmed that its writes are over, or once a grace period passed without word from it
         (a dead sender writes nothing more). Free the blocks only then."""
 
+    def withdraw(self, request_id: str) -> None:
+        """Forget an expected transfer whose destination blocks no sender was ever told of
+        (the reservation never left this node): nobody can write them, so unlike `cancel` it
+        never holds the blocks, whatever the transport. Free them at once."""
+        self._ledger.table.forget(request_id)  # type: ignore[attr-defined]
+
     @abstractmethod
     def close(self) -> None:
         """Unbind. Idempotent."""

@@ -75,6 +75,9 @@ class LoopbackReceiver(KVReceiver):
             self._ledger.table.forget(request_id)
         return True  # layers are written under this receiver's lock, which now drops them
 
+    def withdraw(self, request_id: str) -> None:
+        self.cancel(request_id)
+
     def close(self) -> None:
         with _RECEIVERS_LOCK:
             if _RECEIVERS.get(self.address) is self:

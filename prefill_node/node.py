@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
+from collections import Counter
 
 from common.config import EngineConfig
 from common.engine_core import EngineCore, LayerHook
@@ -26,38 +25,14 @@ from common.tp_kv import TPSender, check_transport, rank_transfer
 from common.tp_ranks import RankRole
 from common.worker import Worker
 from kv_transfer import TransferConfig, TransferState, create_sender
+from prefill_node.jobs import EndedRequests, PrefillJob, check_reserved
 
 log = logging.getLogger(__name__)
 
-ENDED_MEMORY = 10_000
 ENDED_BEFORE_TRANSFER = "the request ended on the prefill node before its transfer began"
 IDLE_WAIT_S = 0.01  # inbox wait of an idle loop
 TRANSFER_WAIT_S = 0.001  # ... of a loop with nothing to compute but transfers in flight
 EXPIRY_INTERVAL_S = 0.1  # how often jobs are checked against their deadlines
-
-
-@dataclass
-class PrefillJob:
-    request_id: str
-    arrived_at: float = field(default_factory=time.monotonic)
-    request: PrefillRequest | None = None
-    reserved_blocks: list[int] | None = None
-    seq: Sequence | None = None
-    scheduled_at: float | None = None
-    first_token_at: float | None = None
-    decode_s: float = 0.0  # parsing the PrefillRequest
-    transferring: bool = False
-    transfer_error: str | None = None  # the sender refused to begin the transfer (a bug)
-    deadline: float | None = None  # monotonic; past it the job is failed (see _expire_jobs)
-
-
-def _check_reserved(block_ids: list[int], needed: int) -> None:
-    """ValueError unless the decode node reserved `needed` distinct block ids, none negative
-    (their upper bound is that node's pool, which only its receiver knows)."""
-    if len(block_ids) != needed:
-        raise ValueError(f"decode node reserved {len(block_ids)} blocks, {needed} needed")
-    if min(block_ids) < 0 or len(set(block_ids)) != len(block_ids):
-        raise ValueError(f"decode node reserved negative or repeated block ids: {block_ids[:8]}")
 
 
 class PrefillNode:
@@ -85,8 +60,7 @@ class PrefillNode:
             node_config.control_address, node_config.router_address, "prefill"
         )
         self.jobs: dict[str, PrefillJob] = {}
-        # Recently ended ids (bounded), each with its decode node's KV address once known.
-        self._ended: OrderedDict[str, str | None] = OrderedDict()
+        self._ended = EndedRequests()
         self.info = runtime_info(self.worker.runtime)
         self.num_layers = self.worker.kv_cache.pool.shape[0]
         self._stream_min_tokens = (
@@ -184,7 +158,7 @@ class PrefillNode:
         """A PrefillRequest or Reservation of an ended request: its decode node may hold (or be
         about to reserve) blocks that this node will never fill, so tell its receiver."""
         if isinstance(message, PrefillRequest) and self._ended[request_id] is None:
-            self._ended[request_id] = message.decode_kv_address
+            self._ended.remember(request_id, message.decode_kv_address)
         address = self._ended[request_id]
         if address is not None and isinstance(message, (PrefillRequest, Reservation)):
             self.sender.decline(request_id, address, ENDED_BEFORE_TRANSFER)
@@ -207,7 +181,7 @@ class PrefillNode:
             params = SamplingParams(**req.sampling)
             seq = self.worker.new_sequence(req.request_id, req.prompt_token_ids, params)
             needed = self.scheduler.blocks_for(len(req.prompt_token_ids))
-            _check_reserved(job.reserved_blocks, needed)
+            check_reserved(job.reserved_blocks, needed)
             self.scheduler.add(seq)
         except (TypeError, ValueError) as exc:
             self._fail(req.request_id, str(exc), 400)
@@ -278,9 +252,7 @@ class PrefillNode:
         # samples need the prompt's KV).
         ships = not finished or seq.params.n > 1
         streamed = job.transferring  # began in _before_launch, every layer sent during compute
-        if ships and not streamed and job.transfer_error is None:
-            self._begin_transfer(job)  # a short step: one copy of every layer after the token
-        if ships and not job.transferring:
+        if ships and job.transfer_error is not None:  # _before_launch's begin was refused
             self._fail(seq.request_id, f"KV transfer failed: {job.transfer_error}", 500)
             return
         token = seq.output_token_ids[0]
@@ -320,7 +292,11 @@ class PrefillNode:
             "first_token_at": job.first_token_at,
             "host_id": HOST_ID,
         }
-        if not streamed:  # the token is out: now the copy
+        if not streamed:  # a short step: the token is out, now one copy of every layer
+            self._begin_transfer(job)
+            if not job.transferring:
+                self._fail(seq.request_id, f"KV transfer failed: {job.transfer_error}", 500)
+                return
             self.sender.send_layers(seq.request_id, range(self.num_layers))
         self.sender.complete(seq.request_id, metadata)
 
@@ -339,7 +315,7 @@ class PrefillNode:
     def _abort(self, request_id: str) -> None:
         job = self.jobs.get(request_id)
         if job is None:
-            self._remember_ended(request_id, None)  # the abort may overtake the request itself
+            self._ended.remember(request_id, None)  # the abort may overtake the request itself
             return
         if job.transferring:
             self.sender.abort(request_id, "aborted by the router")
@@ -359,7 +335,7 @@ class PrefillNode:
         """Forget a job and free its blocks (the one place a prefill node frees them)."""
         self.jobs.pop(job.request_id, None)
         address = job.request.decode_kv_address if job.request is not None else None
-        self._remember_ended(job.request_id, address)
+        self._ended.remember(job.request_id, address)
         if address is not None and job.reserved_blocks is not None and not job.transferring:
             # Ended before its transfer began (its first token finished it, an abort, an
             # error): the decode node's receiver may hold the reservation until told.
@@ -373,11 +349,6 @@ class PrefillNode:
         elif seq.block_ids:
             self.worker.allocator.free(seq.block_ids)
             seq.block_ids = []
-
-    def _remember_ended(self, request_id: str, decode_kv_address: str | None) -> None:
-        self._ended[request_id] = decode_kv_address
-        while len(self._ended) > ENDED_MEMORY:
-            self._ended.popitem(last=False)
 
     def _load(self) -> dict[str, int | float]:
         allocator = self.worker.allocator

@@ -88,7 +88,7 @@ class RouterCore:
             new = message.node_id not in self.registry.nodes
             if new and self.link is not None and not self.link.connect(message.node_id):
                 return  # not an address a socket can reach: no node the router can use
-            if self.registry.observe(message, self.clock()):
+            if self.registry.observe(message, self.clock(), self.liveness_now()):
                 self._lose(message.node_id, "restarted or was silent past the heartbeat timeout")
             node = self.registry.nodes.get(message.node_id)
             if node is not None and node.role != "prefill":

@@ -80,16 +80,18 @@ class NodeRegistry:
     def roles(self) -> tuple[str, ...]:
         return ("colocated",) if self.colocated else ("prefill", "decode")
 
-    def observe(self, hb: Heartbeat, now: float) -> bool:
+    def observe(self, hb: Heartbeat, now: float, judged_at: float | None = None) -> bool:
         """Record a heartbeat (registering a node not seen before). True when the node's
         in-flight requests are lost: it had gone silent past the timeout (even if no sweep
-        noticed yet) or it restarted."""
+        noticed yet) or it restarted. Silence is judged up to `judged_at` (default `now`; the
+        router passes the time its reader last caught up, RouterCore.liveness_now)."""
         node = self.nodes.get(hb.node_id)
         if node is None:
             node = self.nodes[hb.node_id] = NodeState(hb.node_id, hb.role)
             log.info("node %s (%s) registered", hb.node_id, hb.role)
         lapsed = node.alive and node.last_heartbeat is not None
-        lapsed = lapsed and now - node.last_heartbeat > self.timeout
+        judged_at = now if judged_at is None else judged_at
+        lapsed = lapsed and judged_at - node.last_heartbeat > self.timeout
         restarted = any(
             key in node.info and node.info[key] != hb.info.get(key) for key in INSTANCE_KEYS
         )

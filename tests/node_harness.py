@@ -123,7 +123,14 @@ class PrefillHarness:
 class DecodeHarness:
     """A decode node plus the sockets of the router and the prefill node it talks to."""
 
-    def __init__(self, model_dir: str, tmp_path, transport: str, colocated: bool = False) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        tmp_path,
+        transport: str,
+        colocated: bool = False,
+        transfer_deadline_s: float = 30.0,
+    ) -> None:
         n = next(_ports)
         router_address = f"ipc://{tmp_path}/router-d{n}"
         self.prefill_address = f"ipc://{tmp_path}/prefill-d{n}"
@@ -135,6 +142,7 @@ class DecodeHarness:
             kv_address="tcp://127.0.0.1:0",
             transport=transport,
             colocated=colocated,
+            transfer_deadline_s=transfer_deadline_s,
         )
         self.node = DecodeNode(config, engine_config(model_dir))
 
@@ -146,12 +154,13 @@ class DecodeHarness:
             return DecodeRequest(request_id, prompt, sampling, None)
         return DecodeRequest(request_id, prompt, sampling, prefill_node or self.prefill_address)
 
-    def reserves(self, request_id: str) -> None:
+    def reserves(self, request_id: str) -> Reservation:
         """A well-formed request gets its blocks and the prefill node its Reservation."""
         self.node.handle(self.request(request_id))
         self.node.step()
         reservation = decode(self.prefill.recv())
         assert isinstance(reservation, Reservation) and reservation.request_id == request_id
+        return reservation
 
     def blocks_used(self) -> int:
         return self.node.worker.allocator.stats().num_used

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import random
-import socket
 import threading
 import time
 
@@ -228,18 +227,14 @@ def test_late_frames_to_a_freed_reservation_never_touch_its_blocks_new_owner(mak
     assert receiver.late_frames == NUM_LAYERS + 1
 
 
-def free_tcp_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
-def test_a_transfer_reported_done_still_arrives_when_the_sender_closes_at_once():
+def test_a_transfer_reported_done_still_arrives_when_the_sender_closes_at_once(tmp_path):
     """zmq's DONE means "handed to the socket": a draining prefill node that closes its sender
     right after must not drop those frames. Here the receiver binds only after the close began,
     so every frame is still queued in the sender when it closes."""
-    address = free_tcp_address()
-    config = TransferConfig(transport="zmq")  # cuda_ipc's frames mode closes the same way
+    address = f"ipc://{tmp_path}/late-receiver"
+    # cuda_ipc's frames mode closes the same way. A linger far beyond what the test needs:
+    # the close returns as soon as the frames are out.
+    config = TransferConfig(transport="zmq", close_linger_s=60.0)
     src, dst = make_pool(torch.float32, seed=1), make_pool(torch.float32, seed=2)
     sender = create_sender(config, src)
     sender.begin("r", address, [0, 1], [3, 4])

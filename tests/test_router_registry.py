@@ -200,9 +200,13 @@ def test_a_stall_of_the_routers_own_loop_is_not_taken_for_silent_nodes():
     """4 s without reading events (a slow first import inside a request): the heartbeats sent
     meanwhile wait unread in the socket, so the nodes' silence is the router's own."""
     core, clock = stalled_core()
+    in_flight = core.events.open("r1", [P, D])
     clock.now += 4.0
     assert core.route([1, 2, 3]).prefill == P
     assert core.sweep() == []
+    core.on_message(heartbeat(P, "prefill"))  # the first ones read once the loop runs again
+    core.on_message(heartbeat(D, "decode"))
+    assert in_flight.empty(), "a NodeLost would fail the request"
 
 
 def test_nodes_silent_once_the_reader_caught_up_are_dead():
