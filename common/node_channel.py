@@ -118,12 +118,15 @@ class NodeChannel:
             return False
         return True
 
-    def start_heartbeat(self, info: dict[str, Any]) -> None:
+    def start_heartbeat(self, info: dict[str, Any], load: dict[str, Any]) -> None:
         """Heartbeats go from their own thread (and socket), so a long model step can't make a
-        healthy node look dead. The main loop only swaps in fresh load figures."""
+        healthy node look dead. The main loop only swaps in fresh load figures; `load` is the
+        first, so that no heartbeat, the first included, comes without them."""
         self._heartbeat = HeartbeatThread(
             self.context, self.router_address, self.node_id, self.role, info
         )
+        self._heartbeat.load = load
+        self._last_load = time.monotonic()
         self._heartbeat.start()
 
     def publish_load(self, measure: Callable[[], dict[str, Any]]) -> None:

@@ -111,7 +111,7 @@ class DecodeNode:
     def run(self) -> None:
         self.lifecycle.install_signal_handlers()
         log.info("%s node %s ready", self.channel.role, self.channel.node_id)
-        self.channel.start_heartbeat(self.info)
+        self.channel.start_heartbeat(self.info, self._load())
         try:
             while not self.lifecycle.should_exit(idle=not self.timings and not self.quarantined):
                 self.step()

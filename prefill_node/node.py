@@ -75,7 +75,7 @@ class PrefillNode:
     def run(self) -> None:
         self.lifecycle.install_signal_handlers()
         log.info("prefill node %s ready", self.channel.node_id)
-        self.channel.start_heartbeat(self.info)
+        self.channel.start_heartbeat(self.info, self._load())
         try:
             while not self.lifecycle.should_exit(idle=not self.jobs):
                 self.step()

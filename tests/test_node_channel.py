@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from common.messages import Abort
+import zmq
+
+from common.messages import Abort, Heartbeat, decode
 from common.node_channel import PEER_SEND_HWM, NodeChannel
 
 
@@ -16,3 +18,19 @@ def test_messages_to_a_peer_that_reads_nothing_are_dropped_not_waited_for(tmp_pa
         assert channel.to_peer("not an address", Abort("r")) is False
     finally:
         channel.close()
+
+
+def test_the_first_heartbeat_already_carries_the_nodes_load(tmp_path):
+    """A router that sees a node before its loop published any figures would show it with an
+    empty load (tests and the planner read `used_blocks` from it)."""
+    router = zmq.Context.instance().socket(zmq.PULL)
+    router.setsockopt(zmq.RCVTIMEO, 10_000)  # only a hang reaches it
+    router.bind(f"ipc://{tmp_path}/router")
+    channel = NodeChannel(f"ipc://{tmp_path}/node", f"ipc://{tmp_path}/router", "decode")
+    try:
+        channel.start_heartbeat({"pid": 1}, {"used_blocks": 0, "running": 0})
+        first = decode(router.recv())
+        assert isinstance(first, Heartbeat) and first.load == {"used_blocks": 0, "running": 0}
+    finally:
+        channel.close()
+        router.close(linger=0)
