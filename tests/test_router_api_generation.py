@@ -414,7 +414,9 @@ def prefill_dies(core) -> None:
     assert core.sweep() == [P]
 
 
-def test_losing_the_prefill_node_after_an_overtaking_decode_output_is_harmless(make, answer_ids):
+def post_and_play(make, answer_ids, play) -> httpx.Response:
+    """POST one completion whose node events the router does not get by itself: the nodes'
+    script holds them, and `play(core, events)` (async) hands them over in its own order."""
     held: dict[str, list[Any]] = {}
     app, core, _ = make(held_script(answer_ids, held))
 
@@ -422,57 +424,51 @@ def test_losing_the_prefill_node_after_an_overtaking_decode_output_is_harmless(m
         async with client(app) as c:
             task = asyncio.create_task(c.post(TEXT, json={"prompt": "x"}))
             await until(lambda: bool(held))
-            ((first, decoded, *rest),) = held.values()
-            core.on_message(decoded)  # overtakes the first token
-            core.on_message(first)
-            await until(lambda: drained(core))
-            prefill_dies(core)
-            for event in rest:
-                core.on_message(event)
+            (events,) = held.values()
+            await play(core, events)
             return await task
 
-    response = asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+def test_losing_the_prefill_node_after_an_overtaking_decode_output_is_harmless(make, answer_ids):
+    async def play(core, events) -> None:
+        first, decoded, *rest = events
+        core.on_message(decoded)  # overtakes the first token
+        core.on_message(first)
+        await until(lambda: drained(core))
+        prefill_dies(core)
+        for event in rest:
+            core.on_message(event)
+
+    response = post_and_play(make, answer_ids, play)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"] == ANSWER
 
 
 def test_a_prefill_loss_queued_behind_a_decode_output_is_harmless(make, answer_ids):
-    held: dict[str, list[Any]] = {}
-    app, core, _ = make(held_script(answer_ids, held))
+    async def play(core, events) -> None:
+        first, decoded, *rest = events
+        core.on_message(first)
+        await until(lambda: drained(core))
+        core.on_message(decoded)  # queued: the session has not read it yet ...
+        prefill_dies(core)  # ... when the prefill node is declared dead
+        for event in rest:
+            core.on_message(event)
 
-    async def scenario() -> httpx.Response:
-        async with client(app) as c:
-            task = asyncio.create_task(c.post(TEXT, json={"prompt": "x"}))
-            await until(lambda: bool(held))
-            ((first, decoded, *rest),) = held.values()
-            core.on_message(first)
-            await until(lambda: drained(core))
-            core.on_message(decoded)  # queued: the session has not read it yet ...
-            prefill_dies(core)  # ... when the prefill node is declared dead
-            for event in rest:
-                core.on_message(event)
-            return await task
-
-    response = asyncio.run(scenario())
+    response = post_and_play(make, answer_ids, play)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"] == ANSWER
 
 
 def test_losing_the_prefill_node_before_its_first_token_fails_the_request(make, answer_ids):
-    held: dict[str, list[Any]] = {}
-    app, core, _ = make(held_script(answer_ids, held))
+    async def play(core, events) -> None:
+        _, decoded, *_ = events
+        core.on_message(decoded)  # the first token, the prefill node's, never comes
+        await until(lambda: drained(core))
+        prefill_dies(core)
 
-    async def scenario() -> httpx.Response:
-        async with client(app) as c:
-            task = asyncio.create_task(c.post(TEXT, json={"prompt": "x"}))
-            await until(lambda: bool(held))
-            ((_, decoded, *_),) = held.values()
-            core.on_message(decoded)  # the first token, the prefill node's, never comes
-            await until(lambda: drained(core))
-            prefill_dies(core)
-            return await task
-
-    response = asyncio.run(scenario())
+    response = post_and_play(make, answer_ids, play)
     assert response.status_code == 503 and P in response.json()["error"]["message"]
 
 
