@@ -11,12 +11,23 @@ from typing import Any
 STRUCTURED_TYPES = ("json_object", "json_schema")
 
 
+_xgrammar: Any = None  # the module once its import finished
+
+
 def load_xgrammar() -> Any:
     """The xgrammar module, imported on first use: seconds of CPU (it imports torch), which a
     router runs in a worker thread (`asyncio.to_thread`) rather than stall its event loop."""
-    import xgrammar
+    global _xgrammar
+    if _xgrammar is None:
+        import xgrammar
 
-    return xgrammar
+        _xgrammar = xgrammar
+    return _xgrammar
+
+
+def xgrammar_loaded() -> bool:
+    """Whether `load_xgrammar` returns at once (no thread hop needed)."""
+    return _xgrammar is not None
 
 
 def check_structured(spec: dict[str, Any]) -> None:

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from common.structured import load_xgrammar
+from common.structured import load_xgrammar, xgrammar_loaded
 from router.core import RouterCore
 from router.errors import OpenAIError, error_body, from_validation_errors
 from router.formatting import SSE_DONE, ResponseFormatter, sse
@@ -88,7 +88,8 @@ class GenerationHandler:
             errors = exc.errors(include_url=False, include_input=False, include_context=False)
             raise from_validation_errors(list(errors)) from None
         check_model(parsed.model, self.model_names)
-        if parsed.response_format is not None or getattr(parsed, "tools", None):
+        structured = parsed.response_format is not None or getattr(parsed, "tools", None)
+        if structured and not xgrammar_loaded():
             await asyncio.to_thread(load_xgrammar)  # its first import takes seconds
         if isinstance(parsed, ChatCompletionRequest):
             prepared = prepare_chat(parsed, self.tokenizer, self.tool_parser)
