@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import sys
 from collections.abc import Sequence
+from types import FrameType
 
 import uvicorn
 
@@ -12,6 +15,18 @@ from common.wire_auth import require_secret_for
 from router.config import build_parser, config_from_args
 
 KEEP_ALIVE_S = 30
+
+
+class RouterServer(uvicorn.Server):
+    """uvicorn, but a second SIGINT does not force the exit. Ctrl-C in the launcher's terminal
+    reaches the router twice, from the terminal (the process group) and from the launcher,
+    and a forced exit skips the app's shutdown (its sockets stay open, a traceback is printed).
+    The launcher kills whatever is still running after its grace period."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGINT and self.should_exit:
+            return
+        super().handle_exit(sig, frame)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -27,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     from router.app import create_app  # after logging is set up: loading the tokenizer logs
 
-    uvicorn.run(
+    server_config = uvicorn.Config(
         create_app(config),
         host=config.host,
         port=config.port,
@@ -39,6 +54,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         # reuses it fails that request with a connection error (seen under load at 5 s).
         timeout_keep_alive=KEEP_ALIVE_S,
     )
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the Ctrl-C it handled
+        RouterServer(server_config).run()
 
 
 if __name__ == "__main__":
