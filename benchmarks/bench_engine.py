@@ -39,9 +39,9 @@ from benchmarks.engine_report import plot, print_table  # noqa: E402
 from benchmarks.profiles import host_table, kernel_table  # noqa: E402
 from benchmarks.stack import pick_ports  # noqa: E402
 from common import LLM, SamplingParams  # noqa: E402
-from common.config import EngineConfig  # noqa: E402
-from common.scheduler import ScheduledBatch, ScheduledSeq  # noqa: E402
-from common.sequence import Sequence  # noqa: E402
+from common.engine.config import EngineConfig  # noqa: E402
+from common.engine.scheduler import ScheduledBatch, ScheduledSeq  # noqa: E402
+from common.engine.sequence import Sequence  # noqa: E402
 
 CONFIG = ROOT / "configs" / "qwen2.5-7b-instruct"
 

@@ -1,4 +1,4 @@
-"""CPU microbenchmark of the control-message codec (common/messages.py).
+"""CPU microbenchmark of the control-message codec (common/protocol/messages.py).
 
     python benchmarks/bench_messages.py [--tokens 8192] [--rows 32 128] [--repeats 2000]
 
@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.messages import PrefillRequest, TokenBatch, decode, encode, int_array  # noqa: E402
-from common.sampling_params import SamplingParams  # noqa: E402
+from common.protocol.messages import PrefillRequest, TokenBatch, decode, encode, int_array  # noqa: E402
+from common.protocol.sampling_params import SamplingParams  # noqa: E402
 
 TARGET_US = 300.0
 

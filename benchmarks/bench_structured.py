@@ -1,6 +1,6 @@
 """Cost of grammar masks on the decode step, in one run: the same decode batch with no
 constrained row, then with half its rows under a JSON-schema grammar (xgrammar bitmasks filled
-on the host, applied to the logits on the device; `common/logits_processors.py`).
+on the host, applied to the logits on the device; `common/engine/logits_processors.py`).
 
     python benchmarks/bench_structured.py                          # GPU: Qwen2.5-7B shape, dummy weights
     python benchmarks/bench_structured.py --model benchmarks/configs/llama-3.1-8b-instruct
@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from common.config import EngineConfig
-from common.engine import LLMEngine
-from common.sampling_params import SamplingParams
-from common.tokenizer import TOKENIZER_FILES
+from common.engine.config import EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.protocol.sampling_params import SamplingParams
+from common.text.tokenizer import TOKENIZER_FILES
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAMMAR = {
@@ -45,7 +45,7 @@ TINY = dict(
 
 def model_dir(args: argparse.Namespace, work: Path) -> Path:
     """A directory with the config and a tokenizer (copied in when the model has none)."""
-    from common.model_source import resolve_model
+    from common.model.source import resolve_model
 
     target = work / "model"
     target.mkdir()

@@ -37,8 +37,8 @@ from benchmarks.bench_engine import CONFIG, measure_ceilings, time_fn, weight_by
 from benchmarks.decode_loop import LoopDriver, build_node  # noqa: E402
 from benchmarks.stack import pick_ports  # noqa: E402
 from common import LLM, SamplingParams  # noqa: E402
-from common.config import EngineConfig  # noqa: E402
-from common.worker import Worker  # noqa: E402
+from common.engine.config import EngineConfig  # noqa: E402
+from common.engine.worker import Worker  # noqa: E402
 
 TINY = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,

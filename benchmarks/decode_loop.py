@@ -24,11 +24,11 @@ import torch
 import zmq
 
 from benchmarks.profiles import host_table, kernel_table
-from common.config import EngineConfig
-from common.messages import DecodeRequest
-from common.node_config import NodeConfig
-from common.sampling_params import SamplingParams
-from common.worker import Worker
+from common.engine.config import EngineConfig
+from common.engine.worker import Worker
+from common.node.config import NodeConfig
+from common.protocol.messages import DecodeRequest
+from common.protocol.sampling_params import SamplingParams
 from decode_node.node import DecodeNode
 from kv_transfer import Transfer, TransferState
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 
 from common import LLM
-from common.models.llama import STACKED_PARAMS
-from common.sampling_params import SamplingParams
-from common.scheduler import ScheduledBatch, ScheduledSeq
-from common.sequence import Sequence
+from common.engine.scheduler import ScheduledBatch, ScheduledSeq
+from common.engine.sequence import Sequence
+from common.model.llama import STACKED_PARAMS
+from common.protocol.sampling_params import SamplingParams
 
 
 def hf_state_dict(model) -> dict[str, torch.Tensor]:
@@ -80,7 +80,7 @@ def main() -> None:
     )
     ctx_batch = ScheduledBatch([ScheduledSeq(seq, 0, len(prompt))])
     h = worker.runner.host_inputs(ctx_batch)
-    from common.attention import ForwardContext
+    from common.model.attention import ForwardContext
 
     md = worker.runner.metadata(h)
     ctx = ForwardContext(

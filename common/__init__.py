@@ -9,17 +9,17 @@ from typing import TYPE_CHECKING
 __all__ = ["LLM", "SamplingParams", "RequestOutput"]
 
 if TYPE_CHECKING:
-    from common.llm import LLM, RequestOutput
-    from common.sampling_params import SamplingParams
+    from common.engine.llm import LLM, RequestOutput
+    from common.protocol.sampling_params import SamplingParams
 
 
 def __getattr__(name: str):
     if name in ("LLM", "RequestOutput"):
-        from common import llm
+        from common.engine import llm
 
         return getattr(llm, name)
     if name == "SamplingParams":
-        from common.sampling_params import SamplingParams
+        from common.protocol.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'common' has no attribute {name!r}")

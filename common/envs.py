@@ -34,3 +34,13 @@ def cluster_secret() -> bytes | None:
     address other than loopback; unset or empty: frames are not signed."""
     value = os.environ.get("PDSERVE_CLUSTER_SECRET")
     return value.encode() if value else None
+
+
+def setup_logging(name: str) -> None:
+    """Log lines of a node process (or one of its ranks), tagged with `name` and its pid."""
+    import logging
+
+    logging.basicConfig(
+        level=log_level(),
+        format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(name)s: %(message)s",
+    )

@@ -1,5 +1,6 @@
-from common.node_config import parse_node_args, setup_logging
-from common.profiling import profiled
+from common.envs import setup_logging
+from common.node.config import parse_node_args
+from common.node.profiling import profiled
 from decode_node.node import DecodeNode
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from common.scheduler import Scheduler
-from common.sequence import Sequence
+from common.engine.scheduler import Scheduler
+from common.engine.sequence import Sequence
 
 
 class ChoiceGroups:

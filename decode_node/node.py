@@ -8,21 +8,21 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from common.config import EngineConfig
-from common.engine_core import EngineCore
-from common.messages import Abort, DecodeRequest, RequestError, Reservation, TokenBatch
-from common.node_channel import HOST_ID, NodeChannel, runtime_info
-from common.node_config import NodeConfig
-from common.node_lifecycle import Lifecycle
-from common.sampling_params import SamplingParams
-from common.scheduler import SampledToken, ScheduledBatch, Scheduler
-from common.sequence import Sequence, SequenceStatus
-from common.tp_kv import TPPoolWriter, check_transport
-from common.tp_ranks import RankRole
-from common.worker import Worker
+from common.engine.config import EngineConfig
+from common.engine.core import EngineCore
+from common.engine.scheduler import SampledToken, ScheduledBatch, Scheduler
+from common.engine.sequence import Sequence, SequenceStatus
+from common.engine.tp_ranks import RankRole
+from common.engine.worker import Worker
+from common.node.channel import HOST_ID, NodeChannel, runtime_info
+from common.node.config import NodeConfig
+from common.node.lifecycle import Lifecycle
+from common.protocol.messages import Abort, DecodeRequest, RequestError, Reservation, TokenBatch
+from common.protocol.sampling_params import SamplingParams
 from decode_node.choices import ChoiceGroups
 from decode_node.reservations import PendingDecode, ReservationQueue
 from kv_transfer import Transfer, TransferConfig, TransferState, create_receiver
+from kv_transfer.tp import TPPoolWriter, check_transport, decode_rank_handler
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class DecodeNode:
         self.colocated = node_config.colocated
         if not self.colocated:
             check_transport(node_config.transport, engine_config.tp)
-        role = None if self.colocated else RankRole("decode")
+        role = None if self.colocated else RankRole(decode_rank_handler)
         self.worker = worker or Worker(engine_config, role)
         self.scheduler = Scheduler(engine_config.scheduler, self.worker.allocator)
         self.core = EngineCore(

@@ -10,8 +10,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from common.block_allocator import BlockAllocator
-from common.messages import DecodeRequest
+from common.engine.block_allocator import BlockAllocator
+from common.protocol.messages import DecodeRequest
 
 
 @dataclass

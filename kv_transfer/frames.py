@@ -8,7 +8,7 @@ the expected transfer and the pool is the receiver's check.
 Between different TP sizes each prefill rank ships the KV heads its pool holds: a layer frame
 carries `head_start` (the model's KV head number of its first head; `shape[3]` heads follow),
 and each sending rank ends with its own "complete" that says how many ranks send (`senders`). With a cluster secret set, headers
-are signed (`common.wire_auth`); payload frames are not.
+are signed (`common.protocol.wire_auth`); payload frames are not.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 
 import msgpack
 
-from common.messages import MessageError, from_fields
-from common.wire_auth import SIGNER, SignatureError
+from common.protocol.messages import MessageError, from_fields
+from common.protocol.wire_auth import SIGNER, SignatureError
 
 MAX_HEADER_BYTES = 16 << 20  # a header is block ids plus small metadata; refuse anything huge
 

@@ -32,7 +32,7 @@ from typing import Any
 import msgpack
 import torch
 
-from common.wire_auth import SIGNER
+from common.protocol.wire_auth import SIGNER
 from kv_transfer.frames import KINDS, decode_header
 
 
@@ -205,7 +205,7 @@ def open_pool(export: PoolExport, local_pool: torch.Tensor) -> OpenedPool:
     access), as peer-writing kernels need: memory opened in the holder GPU's context is not
     mapped for kernels of another GPU, whatever peer access says. torch therefore labels the
     tensor with the local device although its bytes live on `holder`; only the copy kernel
-    (common.kernels.block_copy) touches it, through NVLink or PCIe."""
+    (common.model.kernels.block_copy) touches it, through NVLink or PCIe."""
     if export.host_id != host_id():
         raise IpcUnavailable(f"the receiver runs on another host ({export.host_id})")
     if local_pool.device.type != "cuda":

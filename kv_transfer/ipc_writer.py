@@ -1,6 +1,6 @@
 """The cuda_ipc data path: layers of a request, from the local pool into an opened remote pool.
 
-One kernel launch per call (`common.kernels.block_copy`): programs on the local GPU read each
+One kernel launch per call (`common.model.kernels.block_copy`): programs on the local GPU read each
 block's K and V and store them straight into the remote pool, through the peer mapping when it
 lives on another GPU (NVLink or PCIe; `kv_transfer.ipc_handles.open_pool` maps it for this GPU).
 No gather buffer, no staging on the remote GPU, no second pass there, no host work per block.
@@ -27,8 +27,8 @@ class DirectWriter:
 
     def __init__(self, local: torch.Tensor, remote: OpenedPool, side: torch.cuda.Stream) -> None:
         # Imported here, not at module level: kernels are decorated at import, and the CPU
-        # tests decide about the Triton interpreter before that (common.kernels' docstring).
-        from common.kernels import block_copy
+        # tests decide about the Triton interpreter before that (common.model.kernels' docstring).
+        from common.model.kernels import block_copy
 
         self._pairs = block_copy.block_pairs
         self.local = local

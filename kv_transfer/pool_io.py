@@ -118,7 +118,7 @@ class HostStager:
 class PoolWriter:
     """Writes a layer frame's KV heads into a pool that holds the model's KV heads `heads`
     (all of them on a node of one rank). A tensor-parallel decode node's rank 0 uses a
-    subclass that also hands the heads of its other ranks to them (`common.tp_kv`)."""
+    subclass that also hands the heads of its other ranks to them (`kv_transfer.tp`)."""
 
     def __init__(self, pool: torch.Tensor, heads: range | None = None) -> None:
         self.pool = pool

@@ -29,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.serve_parser.error(str(exc))
     gpus = gpu_count()
     dtype = serving_dtype(configs.engines["decode"], gpus)
-    from common.model_source import resolve_model
+    from common.model.source import resolve_model
 
     try:
         source = resolve_model(configs.launch.model, dtype=dtype)
@@ -62,8 +62,8 @@ def check_tp(source, sizes: list[int]) -> None:
     KV heads and MLP must divide), before any process starts."""
     if max(sizes) == 1:
         return
-    from common.model_source import read_spec
-    from common.parallel import TPLayout
+    from common.model.parallel import TPLayout
+    from common.model.source import read_spec
 
     spec = read_spec(source)
     for size in set(sizes):

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from common.config import _SUBCONFIGS, EngineConfig, _scalar_type
-from common.node_config import NodeConfig
+from common.engine.config import _SUBCONFIGS, EngineConfig, _scalar_type
+from common.node.config import NodeConfig
 from router.config import RouterConfig, add_router_args
 
 POOLS = ("prefill", "decode")

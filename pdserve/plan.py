@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from common.config import EngineConfig
-from common.node_config import NodeConfig
-from common.wire_auth import require_secret_for
+from common.engine.config import EngineConfig
+from common.node.config import NodeConfig
+from common.protocol.wire_auth import require_secret_for
 from pdserve.flags import POOLS, LaunchConfig, engine_fields, router_fields
 from router.config import RouterConfig
 

@@ -6,8 +6,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from common.messages import PrefillRequest
-from common.sequence import Sequence
+from common.engine.sequence import Sequence
+from common.protocol.messages import PrefillRequest
 
 ENDED_MEMORY = 10_000
 

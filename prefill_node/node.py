@@ -5,26 +5,27 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from functools import partial
 
-from common.config import EngineConfig
-from common.engine_core import EngineCore, LayerHook
-from common.messages import (
+from common.engine.config import EngineConfig
+from common.engine.core import EngineCore, LayerHook
+from common.engine.scheduler import ScheduledBatch, Scheduler
+from common.engine.sequence import Sequence
+from common.engine.tp_ranks import RankRole
+from common.engine.worker import Worker
+from common.node.channel import HOST_ID, NodeChannel, runtime_info
+from common.node.config import NodeConfig
+from common.node.lifecycle import Lifecycle
+from common.protocol.messages import (
     Abort,
     FirstToken,
     PrefillRequest,
     RequestError,
     Reservation,
 )
-from common.node_channel import HOST_ID, NodeChannel, runtime_info
-from common.node_config import NodeConfig
-from common.node_lifecycle import Lifecycle
-from common.sampling_params import SamplingParams
-from common.scheduler import ScheduledBatch, Scheduler
-from common.sequence import Sequence
-from common.tp_kv import TPSender, check_transport, rank_transfer
-from common.tp_ranks import RankRole
-from common.worker import Worker
+from common.protocol.sampling_params import SamplingParams
 from kv_transfer import TransferConfig, TransferState, create_sender
+from kv_transfer.tp import TPSender, check_transport, prefill_rank_handler, rank_transfer
 from prefill_node.jobs import EndedRequests, PrefillJob, check_reserved
 
 log = logging.getLogger(__name__)
@@ -44,13 +45,13 @@ class PrefillNode:
             fail_rate=node_config.fail_transfer_rate,
         )
         check_transport(node_config.transport, engine_config.tp)
-        self.worker = Worker(engine_config, RankRole("prefill", transfer))
+        self.worker = Worker(engine_config, RankRole(partial(prefill_rank_handler, transfer)))
         self.scheduler = Scheduler(
             engine_config.scheduler, self.worker.allocator, prefill_only=True
         )
         # Synchronous: the first token leaves as soon as it is sampled, and steps ship KV per layer.
         self.core = EngineCore(self.worker, self.scheduler, overlap=False)
-        # Tensor parallel: rank 0 ships its KV heads, its ranks theirs (common/tp_kv.py).
+        # Tensor parallel: rank 0 ships its KV heads, its ranks theirs (kv_transfer/tp.py).
         layout = self.worker.tp.layout(self.worker.spec)
         pool = self.worker.kv_cache.pool
         self.sender = create_sender(rank_transfer(transfer, layout, 0), pool)

@@ -11,7 +11,7 @@ from types import FrameType
 
 import uvicorn
 
-from common.wire_auth import require_secret_for
+from common.protocol.wire_auth import require_secret_for
 from router.config import build_parser, config_from_args
 
 KEEP_ALIVE_S = 30

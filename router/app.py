@@ -20,8 +20,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from common.model_source import ModelSource, resolve_model
-from common.tokenizer import load_tokenizer
+from common.model.source import ModelSource, resolve_model
+from common.text.tokenizer import load_tokenizer
 from router import gateway
 from router.config import RouterConfig
 from router.core import RouterCore

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from common.tokenizer import apply_chat_template
+from common.text.tokenizer import apply_chat_template
 from router.errors import invalid
 from router.protocol import ChatCompletionRequest, ChatMessage, Tool
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from common.messages import (
+from common.protocol.messages import (
     Abort,
     DecodeRequest,
     FirstToken,

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from common.messages import FirstToken, RequestError, TokenBatch, TokenOutput
+from common.protocol.messages import FirstToken, RequestError, TokenBatch, TokenOutput
 
 
 @dataclass(frozen=True)

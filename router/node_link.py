@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import zmq
 import zmq.asyncio
 
-from common.messages import MessageError, decode, encode
+from common.protocol.messages import MessageError, decode, encode
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from common.sampling_params import MAX_LOGPROBS, SamplingParams
-from common.structured import check_structured
+from common.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
+from common.protocol.structured import check_structured
 from router.chat import chat_prompt_ids
 from router.errors import OpenAIError, invalid
 from router.protocol import ChatCompletionRequest, CompletionRequest, _GenerationFields

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.messages import Heartbeat
+from common.protocol.messages import Heartbeat
 
 log = logging.getLogger(__name__)
 

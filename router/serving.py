@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from common.structured import load_xgrammar, xgrammar_loaded
+from common.protocol.structured import load_xgrammar, xgrammar_loaded
 from router.core import RouterCore
 from router.errors import OpenAIError, error_body, from_validation_errors
 from router.formatting import SSE_DONE, ResponseFormatter, sse

@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.detokenizer import IncrementalDetokenizer
-from common.messages import FirstToken, RequestError, TokenOutput
+from common.protocol.messages import FirstToken, RequestError, TokenOutput
+from common.text.detokenizer import IncrementalDetokenizer
 from router.core import Route, RouterCore
 from router.errors import OpenAIError
 from router.events import NodeLost, RequestEvent

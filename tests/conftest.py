@@ -11,7 +11,7 @@ torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
 
 @pytest.fixture(scope="session")
 def smollm_dir():
-    from common.model_source import resolve_model
+    from common.model.source import resolve_model
 
     return resolve_model(None).directory
 
@@ -33,13 +33,13 @@ def smollm_hf(smollm_dir):
 @pytest.fixture(scope="session")
 def source(smollm_dir):
     """The embedded model as the router sees it (tests name it `source`)."""
-    from common.loader import ModelSource
+    from common.model.loader import ModelSource
 
     return ModelSource(smollm_dir, "SmolLM2-135M-Instruct")
 
 
 @pytest.fixture(scope="session")
 def tokenizer(source):
-    from common.tokenizer import load_tokenizer
+    from common.text.tokenizer import load_tokenizer
 
     return load_tokenizer(source.directory)

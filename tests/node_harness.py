@@ -15,9 +15,9 @@ import torch
 import zmq
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from common.config import CacheConfig, EngineConfig, ModelConfig
-from common.messages import DecodeRequest, FirstToken, PrefillRequest, Reservation, decode
-from common.node_config import NodeConfig
+from common.engine.config import CacheConfig, EngineConfig, ModelConfig
+from common.node.config import NodeConfig
+from common.protocol.messages import DecodeRequest, FirstToken, PrefillRequest, Reservation, decode
 from decode_node.node import DecodeNode
 from kv_transfer import Transfer, TransferConfig, TransferState, create_receiver
 from prefill_node.node import PrefillNode

@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from common.messages import (
+from common.protocol.messages import (
     DecodeRequest,
     FirstToken,
     Heartbeat,

@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from common.block_allocator import BlockAllocator
-from common.config import SchedulerConfig
-from common.sampling_params import SamplingParams
-from common.scheduler import SampledToken, ScheduledBatch, Scheduler
-from common.sequence import Sequence
+from common.engine.block_allocator import BlockAllocator
+from common.engine.config import SchedulerConfig
+from common.engine.scheduler import SampledToken, ScheduledBatch, Scheduler
+from common.engine.sequence import Sequence
+from common.protocol.sampling_params import SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EOS = 2

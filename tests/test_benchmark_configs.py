@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from common.loader import build_model
-from common.model_source import read_spec, resolve_model
+from common.model.loader import build_model
+from common.model.source import read_spec, resolve_model
 from tests.pd_stack import ROOT
 
 CONFIGS = ROOT / "benchmarks" / "configs"

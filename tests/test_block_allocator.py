@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from common.block_allocator import (
+from common.engine.block_allocator import (
     BlockAllocator,
     BlockStats,
     compute_block_hashes,
@@ -314,7 +314,7 @@ def test_same_tokens_hash_the_same_in_another_process():
     expected = compute_block_hashes(tokens, 4, extra_key=7)
     assert expected == compute_block_hashes(tokens, 4, extra_key=7)
     out = run_python(
-        "from common.block_allocator import compute_block_hashes;"
+        "from common.engine.block_allocator import compute_block_hashes;"
         f"print(compute_block_hashes({tokens!r}, 4, extra_key=7))"
     )
     assert out == repr(expected)
@@ -359,5 +359,5 @@ def test_reset_prefix_cache_frees_cached_blocks_and_forgets_hashes():
 
 
 def test_importing_block_allocator_does_not_import_torch():
-    out = run_python("import sys, common.block_allocator; print('torch' in sys.modules)")
+    out = run_python("import sys, common.engine.block_allocator; print('torch' in sys.modules)")
     assert out == "False"

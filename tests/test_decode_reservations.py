@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from common.block_allocator import BlockAllocator
-from common.messages import DecodeRequest
+from common.engine.block_allocator import BlockAllocator
+from common.protocol.messages import DecodeRequest
 from decode_node.reservations import ReservationQueue
 
 

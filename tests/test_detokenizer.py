@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.detokenizer import IncrementalDetokenizer
+from common.text.detokenizer import IncrementalDetokenizer
 
 TEXT = " b b b x"  # one token per word: " b", " b", " b", " x"
 

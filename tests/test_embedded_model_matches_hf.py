@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from common import SamplingParams
-from common.tokenizer import apply_chat_template
+from common.text.tokenizer import apply_chat_template
 from tests.hf_oracle import hf_greedy
 
 CHATS = [

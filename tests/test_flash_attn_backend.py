@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.attention.flash_attn_backend import (
+from common.model.attention.flash_attn_backend import (
     REQUIRED_BLOCK_SIZE_MULTIPLE,
     check_block_size,
     flash_attn_available,
@@ -22,9 +22,9 @@ def test_block_size_check_names_the_required_multiple():
 @pytest.mark.skipif(not flash_attn_available(), reason="flash_attn package or CUDA not available")
 @pytest.mark.parametrize("decode", [False, True])
 def test_flash_attn_matches_torch_reference_on_paged_cache(decode):
-    from common.attention.base import AttentionMetadata
-    from common.attention.flash_attn_backend import FlashAttnBackend
-    from common.attention.torch_backend import TorchAttentionBackend
+    from common.model.attention.base import AttentionMetadata
+    from common.model.attention.flash_attn_backend import FlashAttnBackend
+    from common.model.attention.torch_backend import TorchAttentionBackend
 
     torch.manual_seed(0)
     dev, dt, bs, h, hk, d = "cuda", torch.bfloat16, 256, 8, 2, 128
@@ -66,14 +66,14 @@ def test_flash_attn_matches_torch_reference_on_paged_cache(decode):
 
 
 def test_every_backend_auto_can_choose_is_registered():
-    from common.attention import BACKENDS
+    from common.model.attention import BACKENDS
 
     assert {"torch", "triton", "flash_attn"} <= set(BACKENDS)
 
 
 @pytest.mark.skipif(flash_attn_available(), reason="flash_attn is installed here")
 def test_requesting_flash_attn_without_the_package_is_a_clear_error():
-    from common.attention.selection import choose_backend
+    from common.model.attention.selection import choose_backend
 
     with pytest.raises(ValueError, match="flash_attn package"):
         choose_backend("flash_attn", torch.device("cpu"), 256)

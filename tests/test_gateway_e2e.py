@@ -14,7 +14,7 @@ import openai
 import pytest
 import zmq
 
-from common.wire_auth import FrameSigner
+from common.protocol.wire_auth import FrameSigner
 from tests.pd_stack import PDStack
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from common import LLM, SamplingParams
-from common.cuda_graphs import StagingHazard, StagingRing
+from common.engine.cuda_graphs import StagingHazard, StagingRing
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from huggingface_hub import constants
 
-from common.hub import ModelNotFound, looks_like_hub_id
-from common.model_source import resolve_model
+from common.model.hub import ModelNotFound, looks_like_hub_id
+from common.model.source import resolve_model
 from tests.tiny_models import hub_cache_layout, save_tiny_tool_model
 
 
@@ -52,7 +52,7 @@ def test_gguf_is_converted_to_the_serving_dtype(tmp_path, monkeypatch):
     the same tensors cast, the same other files, the config's dtype changed."""
     from safetensors import safe_open
 
-    from common.embedded import embedded_gguf_path
+    from common.model.embedded import embedded_gguf_path
 
     gguf = str(embedded_gguf_path())
     float32 = resolve_model(gguf).directory

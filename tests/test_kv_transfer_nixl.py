@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from common.node_config import NodeConfig
+from common.node.config import NodeConfig
 from kv_transfer import TRANSPORTS, Transfer, TransferConfig, TransferState
 from kv_transfer.nixl_layout import PoolRegion, Run, block_runs, layer_descriptors
 from kv_transfer.nixl_transport import NixlReceiver, NixlSender, NixlUnavailable, _Agent

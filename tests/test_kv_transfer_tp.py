@@ -8,11 +8,11 @@ import pytest
 import torch
 import zmq
 
-from common.parallel import TPLayout
-from common.tp_kv import rank_transfer, shipping_ranks
+from common.model.parallel import TPLayout
 from kv_transfer import TransferConfig, TransferState
 from kv_transfer.frames import CompleteHeader, encode_header
 from kv_transfer.pool_io import write_heads
+from kv_transfer.tp import rank_transfer, shipping_ranks
 from kv_transfer.zmq_transport import ZmqReceiver, ZmqSender
 
 LAYERS, BLOCKS, BS, KV_HEADS, DIM = 2, 8, 4, 2, 8

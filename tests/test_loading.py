@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from common import LLM, SamplingParams
-from common.embedded import INSTALL_COMMAND, EmbeddedModelMissing, embedded_gguf_path
+from common.model.embedded import INSTALL_COMMAND, EmbeddedModelMissing, embedded_gguf_path
 from tests.hf_oracle import hf_greedy
 
 CONFIG = dict(

@@ -6,7 +6,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from common.messages import (
+from common.protocol.messages import (
     Abort,
     DecodeRequest,
     FirstToken,

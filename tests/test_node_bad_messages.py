@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 
-from common.messages import Abort, FirstToken, RequestError, decode
+from common.protocol.messages import Abort, FirstToken, RequestError, decode
 from kv_transfer import TransferState
 from tests.node_harness import FOREVER_S, DecodeHarness, PrefillHarness, save_tiny_model
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import zmq
 
-from common.messages import Abort, Heartbeat, decode
-from common.node_channel import PEER_SEND_HWM, NodeChannel
+from common.node.channel import PEER_SEND_HWM, NodeChannel
+from common.protocol.messages import Abort, Heartbeat, decode
 
 
 def test_messages_to_a_peer_that_reads_nothing_are_dropped_not_waited_for(tmp_path):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from common.node_lifecycle import SETTLE_S, Lifecycle
+from common.node.lifecycle import SETTLE_S, Lifecycle
 from tests.router_fakes import ManualClock
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.messages import FirstToken, TokenBatch, decode
+from common.protocol.messages import FirstToken, TokenBatch, decode
 from kv_transfer import TransferState
 from prefill_node.node import TRANSFER_WAIT_S
 from tests.node_harness import MAX_STEPS, DecodeHarness, PrefillHarness, save_tiny_model

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.messages import DecodeRequest, FirstToken, PrefillRequest, RequestError, decode
-from common.node_config import NodeConfig
+from common.node.config import NodeConfig
+from common.protocol.messages import DecodeRequest, FirstToken, PrefillRequest, RequestError, decode
 from decode_node.node import DecodeNode
 from kv_transfer import TransferConfig, create_sender
 from prefill_node.node import PrefillNode

@@ -11,8 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from common import LLM, SamplingParams
-from common.config import EngineConfig, add_dataclass_args, engine_config_from_args
-from common.cuda_graphs import StagingHazard, StagingRing
+from common.engine.config import EngineConfig, add_dataclass_args, engine_config_from_args
+from common.engine.cuda_graphs import StagingHazard, StagingRing
 from tests.hf_oracle import hf_greedy
 from tests.tiny_models import TINY_SHAPE
 

@@ -10,7 +10,7 @@ import pytest
 from openai import OpenAI
 
 from common import SamplingParams
-from common.tokenizer import apply_chat_template
+from common.text.tokenizer import apply_chat_template
 from router.timing import TTFT_PHASES
 from tests.pd_stack import PDStack
 from tests.router_fakes import metric

@@ -11,7 +11,7 @@ import httpx
 from openai import OpenAI
 
 from common import SamplingParams
-from common.tokenizer import apply_chat_template
+from common.text.tokenizer import apply_chat_template
 from tests.pd_stack import PDStack, alive
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -8,7 +8,7 @@ import pytest
 from openai import OpenAI
 
 from common import SamplingParams
-from common.tokenizer import apply_chat_template
+from common.text.tokenizer import apply_chat_template
 from tests.pd_stack import PDStack
 from tests.test_kv_transfer_nixl import needs_nixl
 

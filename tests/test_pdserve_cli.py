@@ -13,7 +13,7 @@ import venv
 
 import pytest
 
-from common import wire_auth
+from common.protocol import wire_auth
 from pdserve.cli import main
 from pdserve.flags import LaunchConfig, build_parser, engine_fields, router_fields
 from pdserve.launcher import RestartBackoff

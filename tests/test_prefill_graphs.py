@@ -1,4 +1,4 @@
-"""Prefill and mixed steps through the piecewise-graph path (`common/prefill_graphs.py`) on CPU,
+"""Prefill and mixed steps through the piecewise-graph path (`common/engine/prefill_graphs.py`) on CPU,
 where nothing is captured but the data flow is the GPU's: padding to a token bucket, static
 buffers between pieces, eager attention at each boundary. Greedy output equals HF transformers.
 The capture itself is covered by tests/test_gpu_engine.py on a GPU."""
@@ -10,9 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from common import LLM, SamplingParams
-from common.prefill_graphs import token_buckets
-from common.scheduler import ScheduledBatch, ScheduledSeq
-from common.sequence import Sequence
+from common.engine.prefill_graphs import token_buckets
+from common.engine.scheduler import ScheduledBatch, ScheduledSeq
+from common.engine.sequence import Sequence
 from tests.hf_oracle import hf_greedy
 
 VOCAB = 320

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from common.profiling import profiled
+from common.node.profiling import profiled
 
 
 def _busy_loop_for_the_profile() -> int:

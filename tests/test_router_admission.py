@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from common.messages import DecodeRequest, FirstToken, PrefillRequest, TokenBatch
+from common.protocol.messages import DecodeRequest, FirstToken, PrefillRequest, TokenBatch
 from router.admission import Admission
 from router.app import create_app
 from router.config import RouterConfig

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from common.messages import DecodeRequest, PrefillRequest
+from common.protocol.messages import DecodeRequest, PrefillRequest
 from router.app import create_app
 from router.config import RouterConfig
 from tests.router_fakes import LoopbackNodes, ManualClock, generation_script

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from common.messages import (
+from common.protocol.messages import (
     Abort,
     DecodeRequest,
     FirstToken,

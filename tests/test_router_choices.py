@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from common.messages import Abort, DecodeRequest, FirstToken, PrefillRequest, TokenBatch
+from common.protocol.messages import Abort, DecodeRequest, FirstToken, PrefillRequest, TokenBatch
 from router.app import create_app
 from router.config import RouterConfig
 from tests.router_fakes import LoopbackNodes, ManualClock, heartbeat, metric
@@ -86,7 +86,7 @@ def test_n_choices_stream_with_their_indices(source, tokenizer):
 
 
 def test_sample_indices_travel_in_token_batches_and_aborts():
-    from common.messages import MessageError, decode, encode
+    from common.protocol.messages import MessageError, decode, encode
 
     batch = decode(encode(TokenBatch(["r", "r"], [5, 6], [None, "stop"], indices=[0, 2])))
     assert [(o.index, o.finished) for o in batch.items()] == [(0, False), (2, True)]

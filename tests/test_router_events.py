@@ -7,7 +7,7 @@ import asyncio
 import msgpack
 import pytest
 
-from common.messages import (
+from common.protocol.messages import (
     FirstToken,
     Heartbeat,
     MessageError,

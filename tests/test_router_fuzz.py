@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from common.model_source import ModelSource
-from common.tokenizer import load_tokenizer
+from common.model.source import ModelSource
+from common.text.tokenizer import load_tokenizer
 from router.app import create_app
 from router.config import RouterConfig
 from tests.router_fakes import LoopbackNodes, ManualClock, generation_script, heartbeat

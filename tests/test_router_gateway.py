@@ -10,8 +10,14 @@ import sys
 import httpx
 import pytest
 
-from common.messages import Abort, MessageError, decode, encode
-from common.wire_auth import SIGNER, FrameSigner, SignatureError, is_loopback, require_secret_for
+from common.protocol.messages import Abort, MessageError, decode, encode
+from common.protocol.wire_auth import (
+    SIGNER,
+    FrameSigner,
+    SignatureError,
+    is_loopback,
+    require_secret_for,
+)
 from kv_transfer.frames import AbortHeader, FrameError, decode_header, encode_header
 from router.app import create_app
 from router.config import RouterConfig

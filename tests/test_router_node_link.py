@@ -8,7 +8,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from common.messages import Abort, Heartbeat, decode, encode
+from common.protocol.messages import Abort, Heartbeat, decode, encode
 from router.node_link import SendError, ZmqNodeLink
 from tests.router_fakes import heartbeat
 

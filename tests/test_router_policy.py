@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from common.messages import FirstToken
-from common.sampling_params import SamplingParams
+from common.protocol.messages import FirstToken
+from common.protocol.sampling_params import SamplingParams
 from router.config import RouterConfig
 from router.core import RouterCore
 from router.metrics import RouterMetrics

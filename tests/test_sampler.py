@@ -8,10 +8,10 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from common import sampling_ops as ops
-from common.sampler import Sampler, SamplingInputs
-from common.sampling_params import SamplingParams
-from common.token_counts import TokenCounts
+from common.engine import sampling_ops as ops
+from common.engine.sampler import Sampler, SamplingInputs
+from common.engine.token_counts import TokenCounts
+from common.protocol.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 DRAWS = 2000

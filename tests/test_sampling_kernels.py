@@ -1,5 +1,5 @@
-"""The fused sampler kernels (`common/kernels/sampling.py`) against the torch reference in
-`common/sampling_ops.py`: same noise bits, same draws, same top-p thresholds. Without CUDA they
+"""The fused sampler kernels (`common/model/kernels/sampling.py`) against the torch reference in
+`common/engine/sampling_ops.py`: same noise bits, same draws, same top-p thresholds. Without CUDA they
 run in Triton's CPU interpreter (set before the kernels are decorated)."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from common import sampling_ops as ops  # noqa: E402
-from common.kernels import sampling  # noqa: E402
+from common.engine import sampling_ops as ops  # noqa: E402
+from common.model.kernels import sampling  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

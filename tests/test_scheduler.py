@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from common.scheduler import SampledToken
-from common.sequence import FinishReason, Sequence, SequenceStatus
+from common.engine.scheduler import SampledToken
+from common.engine.sequence import FinishReason, Sequence, SequenceStatus
 from tests.scheduler_helpers import (
     EOS,
     FILLER,
@@ -507,7 +507,7 @@ def test_abort_of_a_sequence_waiting_to_run_frees_its_blocks():
 
 
 def test_importing_the_scheduler_does_not_import_torch():
-    code = "import sys, common.scheduler; print('torch' in sys.modules)"
+    code = "import sys, common.engine.scheduler; print('torch' in sys.modules)"
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True
     )

@@ -3,7 +3,7 @@ decode node's ChoiceGroups bookkeeping, and no block leaked whatever ends first.
 
 from __future__ import annotations
 
-from common.scheduler import SampledToken
+from common.engine.scheduler import SampledToken
 from decode_node.choices import ChoiceGroups
 from tests.scheduler_helpers import make_scheduler, make_seq, rows, run_until_idle, step
 

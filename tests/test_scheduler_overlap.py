@@ -9,8 +9,8 @@ in flight.
 
 from __future__ import annotations
 
-from common.scheduler import SampledToken, ScheduledBatch, Scheduler
-from common.sequence import PLACEHOLDER, FinishReason, Sequence
+from common.engine.scheduler import SampledToken, ScheduledBatch, Scheduler
+from common.engine.sequence import PLACEHOLDER, FinishReason, Sequence
 from tests.scheduler_helpers import EOS, FILLER, make_scheduler, make_seq, run_until_idle
 
 

@@ -8,9 +8,9 @@ from collections import Counter
 
 import pytest
 
-from common.block_allocator import BlockAllocator
-from common.scheduler import SampledToken, ScheduledBatch, Scheduler
-from common.sequence import FinishReason, Sequence, SequenceStatus
+from common.engine.block_allocator import BlockAllocator
+from common.engine.scheduler import SampledToken, ScheduledBatch, Scheduler
+from common.engine.sequence import FinishReason, Sequence, SequenceStatus
 from tests.scheduler_helpers import (
     EOS,
     make_scheduler,

@@ -1,5 +1,5 @@
 """A config.json that states every value the spec reads is read without transformers
-(`common.model_source.stated_config`); the spec must be the one AutoConfig gives."""
+(`common.model.source.stated_config`); the spec must be the one AutoConfig gives."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig
 
-from common.model_source import (
+from common.model.source import (
     ModelSource,
     generation_eos_ids,
     read_spec,
     resolve_model,
     stated_config,
 )
-from common.model_spec import ModelSpec
+from common.model.spec import ModelSpec
 from tests.tiny_models import save_tiny_tool_model
 
 CONFIGS = sorted((Path(__file__).parent.parent / "benchmarks" / "configs").iterdir())

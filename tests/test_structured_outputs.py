@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from common import LLM, SamplingParams
-from common.logits_processors import LogitsProcessors
-from common.sequence import Sequence
-from common.structured import check_structured
+from common.engine.logits_processors import LogitsProcessors
+from common.engine.sequence import Sequence
+from common.protocol.structured import check_structured
 from tests.tiny_models import save_tiny_tool_model
 
 SCHEMA = {
@@ -72,7 +72,7 @@ def test_the_race_never_draws_a_masked_token_even_when_its_noise_is_the_largest(
     """Row key 3548420002 hashes token 15484 to the top 24-bit value, whose uniform rounded to
     1.0 in float32: q = 0 and the masked token won the race as 0 / 0 (seen as a grammar
     violation at temperature 0.9)."""
-    from common import sampling_ops as ops
+    from common.engine import sampling_ops as ops
 
     salts = ops.token_salts(49152, "cpu")
     keys = torch.tensor([3548420002])

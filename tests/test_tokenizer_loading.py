@@ -12,7 +12,7 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from common.tokenizer import apply_chat_template, load_tokenizer
+from common.text.tokenizer import apply_chat_template, load_tokenizer
 from tests.pd_stack import ROOT
 from tests.tiny_models import save_tiny_tool_model
 
@@ -72,7 +72,7 @@ def test_a_changed_tokenizer_file_is_looked_up_again(tool_model, cache, tmp_path
 def test_a_remembered_load_imports_no_torch(smollm_dir, cache):
     load_tokenizer(smollm_dir)
     code = (
-        "import sys; from pathlib import Path; from common.tokenizer import load_tokenizer; "
+        "import sys; from pathlib import Path; from common.text.tokenizer import load_tokenizer; "
         f"assert load_tokenizer(Path({str(smollm_dir)!r})) is not None; "
         "print('torch' in sys.modules)"
     )

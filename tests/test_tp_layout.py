@@ -1,4 +1,4 @@
-"""Which slice each tensor-parallel rank holds (`common.parallel`, `common.sharding`): pure
+"""Which slice each tensor-parallel rank holds (`common.model.parallel`, `common.model.sharding`): pure
 arithmetic and tensor slicing, no processes."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.model_spec import ModelSpec, RopeSpec
-from common.parallel import TPLayout, rank_spec
-from common.sharding import Sharder, unfuse
+from common.model.parallel import TPLayout, rank_spec
+from common.model.sharding import Sharder, unfuse
+from common.model.spec import ModelSpec, RopeSpec
 
 SPEC = ModelSpec(
     architecture="LlamaForCausalLM", vocab_size=387, hidden_size=64, intermediate_size=128,

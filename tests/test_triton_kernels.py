@@ -18,14 +18,14 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from common import ops  # noqa: E402
-from common.attention import create_backend  # noqa: E402
-from common.attention.base import AttentionMetadata  # noqa: E402
-from common.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from common.attention.torch_backend import write_kv as torch_write_kv  # noqa: E402
-from common.kernels import fused_ops  # noqa: E402
-from common.kernels.block_copy import BlockCopier, block_pairs  # noqa: E402
-from common.kernels.paged_attention import (  # noqa: E402
+from common.model import ops  # noqa: E402
+from common.model.attention import create_backend  # noqa: E402
+from common.model.attention.base import AttentionMetadata  # noqa: E402
+from common.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from common.model.attention.torch_backend import write_kv as torch_write_kv  # noqa: E402
+from common.model.kernels import fused_ops  # noqa: E402
+from common.model.kernels.block_copy import BlockCopier, block_pairs  # noqa: E402
+from common.model.kernels.paged_attention import (  # noqa: E402
     DecodeScratch,
     decode_num_splits,
     paged_decode_attention,
@@ -305,8 +305,8 @@ def test_silu_and_mul_matches_torch(device, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_rotates_q_and_k_in_place_like_torch(device, dtype):
-    from common.model_spec import RopeSpec
-    from common.models.layers import RotaryEmbedding
+    from common.model.layers.basic import RotaryEmbedding
+    from common.model.spec import RopeSpec
 
     rope = RotaryEmbedding(64, 50, RopeSpec(theta=10000.0)).to(device)
     qkv = torch.randn(5, 4 + 2 + 2, 64, dtype=dtype, device=device)  # q, k, v heads side by side

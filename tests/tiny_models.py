@@ -58,8 +58,8 @@ def save_tiny_tool_model(directory: Path, seed: int = 0) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
 
-    from common.model_source import resolve_model
-    from common.tokenizer import load_tokenizer
+    from common.model.source import resolve_model
+    from common.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model(None).directory)
     tokenizer.chat_template = QWEN_TOOL_TEMPLATE

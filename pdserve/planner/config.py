@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.config import _scalar_type
+from common.engine.config import _scalar_type
 
 DEFAULT_CACHE = str(Path.home() / ".cache" / "pdserve" / "planner_profiles.json")
 

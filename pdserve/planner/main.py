@@ -96,7 +96,7 @@ def _setup(args: argparse.Namespace, options: dict[str, dict[str, Any]]) -> Setu
 
 
 def _engine_config(setup: Setup):
-    from common.config import EngineConfig
+    from common.engine.config import EngineConfig
     from pdserve.plan import NODE_FIELDS
 
     options = {k: v for k, v in setup.options["decode"].items() if k not in NODE_FIELDS}
@@ -167,7 +167,7 @@ def _problem(config: PlanConfig, setup: Setup, profiles: dict[int, Profile]) -> 
 def _tokenizer(setup: Setup) -> Any | None:
     if setup.model is None:
         return None
-    from common.tokenizer import load_tokenizer
+    from common.text.tokenizer import load_tokenizer
 
     path = Path(setup.model)
     return load_tokenizer(path) if path.is_dir() else None

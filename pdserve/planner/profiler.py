@@ -24,11 +24,11 @@ from datetime import datetime, timezone
 
 import torch
 
-from common.config import EngineConfig
-from common.engine_core import EngineCore
-from common.sampling_params import SamplingParams
-from common.scheduler import Scheduler
-from common.worker import Worker
+from common.engine.config import EngineConfig
+from common.engine.core import EngineCore
+from common.engine.scheduler import Scheduler
+from common.engine.worker import Worker
+from common.protocol.sampling_params import SamplingParams
 from pdserve.planner.cost_model import fit, max_relative_error
 from pdserve.planner.profile import (
     DecodePoint,
@@ -63,8 +63,8 @@ def device_name(device: torch.device) -> str:
 
 def profile_key(config: EngineConfig, tp: int = 1) -> ProfileKey:
     """The key of the profile `config` would produce, without loading any weights."""
-    from common.model_source import resolve_model
-    from common.worker import pick_device, pick_dtype
+    from common.engine.worker import pick_device, pick_dtype
+    from common.model.source import resolve_model
 
     device = pick_device(config.model.device)
     dtype = str(pick_dtype(config.model.dtype, device)).removeprefix("torch.")

@@ -92,7 +92,7 @@ def _ids(start: int, count: int) -> str:
 
 
 def _engine_default(name: str) -> Any:
-    from common.config import EngineConfig
+    from common.engine.config import EngineConfig
 
     return EngineConfig().flat_options()[name]
 

@@ -2,7 +2,7 @@
 colocated node). Pure Python, times in seconds, no clock of their own: the simulator calls
 `plan_step` when a node is free and `finish_step` when that step's time has passed.
 
-They mirror `common/scheduler.py` and the node loops: a token budget per step
+They mirror `common/engine/scheduler.py` and the node loops: a token budget per step
 (`max_num_batched_tokens`), at most `max_num_seqs` sequences running, blocks allocated just
 before the step that fills them, preemption of the latest running sequence when the pool runs
 dry (it is recomputed later), FIFO admission, and on the decode node FIFO reservations that

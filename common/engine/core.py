@@ -1,0 +1,148 @@
+"""The one engine step loop: schedule -> run the model -> update sequences.
+
+`LLMEngine` (offline), `PrefillNode` and `DecodeNode` each own one `EngineCore` and call
+`step()` from their loops; what differs between them (admission, KV transfer, messages) sits
+around it in the caller. A step that fails (an exception in the model) comes back as a
+`StepOutput` with `error` set: the caller fails that step's requests, the loop goes on. So does
+an exception in the caller's `before_launch` hook (the step then never runs).
+
+Overlapped (`overlap=True`, vLLM's async scheduling, SGLang's overlap scheduler): each `step()`
+schedules and launches step N+1 while step N may still run on the device, and only then waits
+for step N and returns its output. Sampled ids stay on the device and feed step N+1's inputs
+there (`ModelRunner.launch`); stop checks and everything the caller does with the output (stop
+strings, TokenBatch messages) run one step behind, while the device works. A sequence that
+stops at step N may have a row in step N+1: that row is dropped. Both modes produce the same
+tokens: the synchronous loop is the overlapped one with the wait moved up.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from common.engine.model_runner import StepHandle
+from common.engine.scheduler import SampledToken, ScheduledBatch, Scheduler
+from common.engine.sequence import FinishReason, Sequence
+from common.engine.worker import Worker
+
+log = logging.getLogger(__name__)
+
+LayerHook = Callable[[int], None]
+# Called with each batch just before it runs; may return a per-layer hook (prefill node: ship
+# the layer's KV once it is written).
+BeforeLaunch = Callable[[ScheduledBatch], LayerHook | None]
+
+
+@dataclass
+class StepOutput:
+    """One model step, once its sampled tokens are on the host and the sequences updated."""
+
+    batch: ScheduledBatch
+    # One per batch item: the token it added, None where none (no sampling row, or its
+    # sequence had ended before the step resolved).
+    sampled: list[SampledToken | None] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)  # ended at this step
+    error: Exception | None = None  # the step failed: none of its requests advanced
+
+    def new_tokens(self) -> list[tuple[Sequence, SampledToken]]:
+        """(sequence, token) for every row that added a token, in batch order."""
+        return [
+            (item.seq, token)
+            for item, token in zip(self.batch.items, self.sampled, strict=True)
+            if token is not None
+        ]
+
+
+class EngineCore:
+    def __init__(self, worker: Worker, scheduler: Scheduler, overlap: bool = False) -> None:
+        self.worker = worker
+        self.scheduler = scheduler
+        self.runner = worker.runner
+        self.overlap = overlap
+        self._in_flight: StepHandle | None = None
+        # The last step() found work but scheduled, preempted and resolved nothing: the head
+        # waiting prompt's blocks are not free. Until something outside the scheduler frees
+        # some (an ending, a finished transfer), stepping again changes nothing, so a loop
+        # should wait for that rather than spin.
+        self.stalled = False
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or self._in_flight is not None
+
+    def step(self, before_launch: BeforeLaunch | None = None) -> list[StepOutput]:
+        """Run one step. Synchronous: its output. Overlapped: launch the next step, then return
+        the previous one's output. [] when there was nothing to resolve."""
+        early: list[StepOutput] = []
+        sync = self._needs_host_tokens()
+        if sync and self._in_flight is not None:
+            early.append(self._resolve(self._in_flight))  # see _needs_host_tokens
+            self._in_flight = None
+            self.scheduler.hold_frees = False
+            self.worker.allocator.free(self.scheduler.take_held())
+        batch = self.scheduler.schedule()
+        # Blocks released before this schedule belong to no sequence of `batch`; the step in
+        # flight may still write them, so they wait for it (`Scheduler.hold_frees`).
+        held = self.scheduler.take_held()
+        outputs: list[StepOutput] = []
+        launched = None
+        if batch:
+            try:
+                hook = before_launch(batch) if before_launch is not None else None
+                launched = self.runner.launch(batch, self._in_flight, hook)
+            except Exception as exc:  # a failed step fails its requests, not the loop
+                log.exception("model step of %d requests failed", len(batch.items))
+                outputs.append(StepOutput(batch, error=exc))
+            else:
+                self.scheduler.commit(batch)
+                self.scheduler.hold_frees = True
+        if self._in_flight is not None:
+            outputs.insert(0, self._resolve(self._in_flight))
+        self._in_flight = launched
+        self.worker.allocator.free(held)
+        if launched is not None and (not self.overlap or sync):
+            outputs.append(self._resolve(launched))
+            self._in_flight = None
+        if self._in_flight is None:  # nothing runs: every held block is free again
+            self.scheduler.hold_frees = False
+            self.worker.allocator.free(self.scheduler.take_held())
+        progressed = batch or batch.preempted or early or outputs
+        self.stalled = not progressed and self.scheduler.has_work()
+        return early + outputs
+
+    def _needs_host_tokens(self) -> bool:
+        """A request with a grammar is in the scheduler: its matcher reads the tokens sampled so
+        far on the host before its next mask (`common.engine.logits_processors`), so steps run
+        synchronously (no placeholder tokens) while one is there."""
+        s = self.scheduler
+        return any(
+            seq.params.structured is not None
+            for queue in (s.running, s.ready, s.waiting)
+            for seq in queue
+        )
+
+    def _resolve(self, handle: StepHandle) -> StepOutput:
+        batch = handle.batch
+        try:
+            sampled = handle.result()
+        except Exception as exc:
+            log.exception("model step of %d requests failed", len(batch.items))
+            return StepOutput(batch, error=exc)
+        live = [not item.seq.is_finished for item in batch.items]
+        finished = self.scheduler.resolve(batch, sampled)
+        sampled = [token if ok else None for token, ok in zip(sampled, live, strict=True)]
+        return StepOutput(batch, sampled, finished)
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Sequence | None:
+        """End a request wherever it is in the scheduler (its blocks are freed, or held until
+        the step in flight completes) and forget its sampler state; None if the scheduler does
+        not hold it."""
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            seq.finish_reason = reason
+        self.runner.release(request_id)
+        return seq
+
+    def release(self, request_id: str) -> None:
+        """Forget per-request runner state once a request has ended."""
+        self.runner.release(request_id)

@@ -1,0 +1,266 @@
+"""CUDA-graph capture and replay of decode steps: one graph per batch size, static buffers here.
+
+A decode step (every row: one query token that samples) is captured once per size in
+`capture_sizes(max_num_seqs)`; a smaller batch is padded to the next captured size. The graph
+bakes in pointers and launch grids, so everything it reads changes only by value inside the
+static buffers below. Padding rows: token 0 at position 0, KV written to the pool's padding
+slot, context length 1 (block 0, read but ignored), so no data-dependent branch is needed.
+Every size writes its logits into one shared float32 buffer (`logits`), so graph memory does not
+grow with the number of sizes.
+
+Staging (`StagingRing`): the host writes a step's inputs into pinned host buffers and one
+non-blocking copy moves them into the static buffers. With the overlapped loop the host stages
+step N+1 while step N may not have started yet, so the host buffers rotate through a ring; a
+buffer is written again only after the step that read it was observed complete
+(`StepHandle.result`), and a violation raises `StagingHazard` instead of corrupting a step.
+
+On a CPU device nothing is captured: `replay` runs the same padded forward on the same static
+buffers, so the whole path (padding, staging ring, shared logits) is testable without a GPU.
+
+Contract with attention backends: their decode path may use only shapes and
+`metadata.max_seq_len` (fixed here at the model's context limit) on the host; per-row lengths
+must be read from `metadata.seq_lens` on the device.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from common.engine.kv_cache import KVCache
+from common.model.attention import AttentionBackend, AttentionMetadata, ForwardContext
+from common.model.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+STAGING_DEPTH = 2  # one step being staged while one is in flight
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8, up to and including max_num_seqs."""
+    sizes = [s for s in (1, 2, 4) if s < max_num_seqs]
+    sizes += list(range(8, max_num_seqs, 8))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+class StagingHazard(RuntimeError):
+    """A staging buffer was about to be rewritten while a step that reads it may still run."""
+
+
+@dataclass
+class StagingSlot:
+    """Host buffers for one step's inputs: [ids, positions, slots, seq_lens] and the block
+    table, pinned on CUDA. `generation` counts writes; `completed` is the last generation whose
+    step was observed complete. Rewriting is legal only when they are equal."""
+
+    vectors: torch.Tensor  # [4, max_rows] int64
+    table: torch.Tensor  # [max_rows, max_blocks] int32
+    row_keys: list[object] = field(default_factory=list)
+    generation: int = 0
+    completed: int = 0
+
+    def release(self, generation: int) -> None:
+        self.completed = max(self.completed, generation)
+
+
+class StagingRing:
+    def __init__(self, depth: int, rows: int, columns: int, pinned: bool) -> None:
+        self.slots = [
+            StagingSlot(
+                torch.zeros(4, rows, dtype=torch.int64, pin_memory=pinned),
+                torch.zeros(rows, columns, dtype=torch.int32, pin_memory=pinned),
+                [None] * rows,
+            )
+            for _ in range(depth)
+        ]
+        self._next = 0
+
+    def acquire(self) -> tuple[StagingSlot, int]:
+        """The next slot and the generation its reader must release; StagingHazard if the
+        previous step that read this slot has not been observed complete."""
+        slot = self.slots[self._next]
+        if slot.completed != slot.generation:
+            raise StagingHazard(
+                f"staging slot {self._next} rewritten while generation {slot.generation} may "
+                f"still be read (completed: {slot.completed}); more steps in flight than "
+                f"{len(self.slots)} staging slots"
+            )
+        self._next = (self._next + 1) % len(self.slots)
+        slot.generation += 1
+        return slot, slot.generation
+
+
+@dataclass
+class Replay:
+    """One launched graph step: its output rows (logits, or hidden states for prefill graphs)
+    and the staging slot its reader releases."""
+
+    output: torch.Tensor
+    slot: StagingSlot
+    generation: int
+
+    def release(self) -> None:
+        self.slot.release(self.generation)
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        backend: AttentionBackend,
+        kv_cache: KVCache,
+        max_num_seqs: int,
+        max_model_len: int,
+        scale: float,
+    ) -> None:
+        self.model, self.backend, self.kv_cache, self.scale = model, backend, kv_cache, scale
+        self.max_model_len = max_model_len
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_batch = n = self.sizes[-1]
+        device = kv_cache.pool.device
+        self.on_cuda = device.type == "cuda"
+        self.max_blocks = -(-max_model_len // kv_cache.block_size)
+        # ids, positions, slots and context lengths live in one int64 buffer, filled by one copy.
+        self._vectors = torch.zeros(4, n, dtype=torch.int64, device=device)
+        self._vectors[2] = kv_cache.padding_slot
+        self._vectors[3] = 1
+        self.input_ids, self.positions, self.slot_mapping = self._vectors[:3]
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.logits = torch.zeros(n, model.spec.vocab_size, dtype=torch.float32, device=device)
+        self.staging = StagingRing(STAGING_DEPTH, n, self.max_blocks, pinned=self.on_cuda)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.launches = 0  # steps served (tests and benchmarks read it)
+
+    def _metadata(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[: bs + 1],
+            seq_lens=self.seq_lens[:bs],
+            block_tables=self.block_tables[:bs],
+            slot_mapping=self.slot_mapping[:bs],
+            query_lens_cpu=[1] * bs,
+            seq_lens_cpu=[self.max_model_len] * bs,
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+        )
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        self.seq_lens[:bs].copy_(self._vectors[3, :bs])  # int64 -> int32, captured with the step
+        ctx = ForwardContext(
+            self.backend,
+            self._metadata(bs),
+            self.kv_cache.k_caches,
+            self.kv_cache.v_caches,
+            self.scale,
+        )
+        hidden = self.model(self.input_ids[:bs], self.positions[:bs], ctx)
+        return self.model.compute_logits(hidden, out=self.logits[:bs])
+
+    @torch.inference_mode()
+    def capture(self) -> int:
+        """Capture every size (largest first, sharing one memory pool); returns bytes used.
+        On a CPU device nothing is captured (replays run the forward directly)."""
+        if not self.on_cuda:
+            return 0
+        before = torch.cuda.memory_reserved()
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        for bs in reversed(self.sizes):
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._forward(bs)  # warm-up: lazy init and autotuning stay out of the graph
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._forward(bs)
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        used = torch.cuda.memory_reserved() - before + self.logits.numel() * 4
+        log.info(
+            "captured %d decode graphs (batch sizes %s), %.1f MiB with the shared logits",
+            len(self.sizes),
+            self.sizes,
+            used / 2**20,
+        )
+        return used
+
+    def fits(self, num_seqs: int) -> bool:
+        return num_seqs <= self.max_batch
+
+    def padded_size(self, n: int) -> int:
+        return next(s for s in self.sizes if s >= n)
+
+    @torch.inference_mode()
+    def launch(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        row_keys: list[object],
+        fill_ids: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Replay:
+        """Stage one decode step and replay the graph of the smallest captured size >= its
+        rows; the Replay's logits are [n, vocab] rows of the shared buffer.
+
+        `row_keys[i]` must change whenever row i's block list changes other than by growing
+        (a different sequence, or the same one after preemption): equal key and length means
+        the staged row is still right and is not rewritten. `fill_ids` (token positions,
+        device token ids) overwrites staged ids on the device after the copy: tokens sampled
+        by a step whose results are not on the host yet."""
+        n = len(input_ids)
+        bs = self.padded_size(n)
+        slot, generation = self.staging.acquire()
+        try:
+            self._stage_and_replay(
+                slot, bs, input_ids, positions, slots, seq_lens, block_tables, row_keys, fill_ids
+            )
+        except BaseException:
+            if self.on_cuda:
+                torch.cuda.synchronize()  # nothing may still read the slot we give back
+            slot.release(generation)
+            raise
+        self.launches += 1
+        return Replay(self.logits[:n], slot, generation)
+
+    def _stage_and_replay(
+        self, slot: StagingSlot, bs: int, input_ids, positions, slots, seq_lens, block_tables,
+        row_keys, fill_ids,
+    ) -> None:  # fmt: skip
+        n = len(input_ids)
+        width = max(len(row) for row in block_tables)
+        stage = slot.vectors
+        stage[:, :n] = torch.tensor([input_ids, positions, slots, seq_lens])
+        if bs > n:  # padding rows (see module docstring)
+            stage[0:2, n:bs] = 0
+            stage[2, n:bs] = self.kv_cache.padding_slot
+            stage[3, n:bs] = 1
+        self._stage_table(slot, block_tables, row_keys, n, bs)
+        self._vectors[:, :bs].copy_(stage[:, :bs], non_blocking=True)
+        self.block_tables[:bs, :width].copy_(slot.table[:bs, :width], non_blocking=True)
+        if fill_ids is not None:
+            at, ids = fill_ids
+            self.input_ids.index_copy_(0, at, ids)
+        if self.on_cuda:
+            self.graphs[bs].replay()
+        else:
+            self._forward(bs)
+
+    @staticmethod
+    def _stage_table(
+        slot: StagingSlot, block_tables: list[list[int]], keys: list[object], n: int, bs: int
+    ) -> None:
+        table = slot.table.numpy()  # same memory, cheap row writes
+        for i, row in enumerate(block_tables):
+            # A running sequence keeps its row and grows one block every block_size steps:
+            # rewrite a row only when its owner or length changed.
+            if slot.row_keys[i] != keys[i]:
+                slot.row_keys[i] = keys[i]
+                table[i, : len(row)] = row
+        if bs > n:
+            table[n:bs, 0] = 0
+            slot.row_keys[n:bs] = [None] * (bs - n)

@@ -1,0 +1,154 @@
+"""Per-request logits processors applied before sampling: grammar masks (structured outputs,
+forced tool calls) and `logit_bias`. The runner calls `LogitsProcessors.apply` once per step on
+the [rows, V] logits it is about to sample from; rows without either are not touched.
+
+Grammars come from `SamplingParams.structured` (`{"type": "json_object"}` or
+`{"type": "json_schema", "schema": "<JSON text>"}`) and are compiled by xgrammar against this
+process's tokenizer, once per distinct spec. Each request gets a `GrammarMatcher`, created on
+its first sampled row. Contract: a matcher is always caught up from `seq.output_token_ids`
+before its mask is filled (so `EngineCore` runs steps synchronously while a grammar request is
+in the scheduler: no placeholder tokens), so it needs no hook after sampling, and a request whose first
+tokens were sampled in another process (the decode node after the prefill node's first token)
+resumes by replaying them: the grammar spec travels in the sampling params, the tokens with
+the request. Masks are filled on the host (xgrammar's matchers are CPU state; one call fills
+the batch's rows on a pool of threads) into one int32 bitmask for the batch, which goes to the
+device in one copy and is applied there in place.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import torch
+
+from common.engine.device_copy import to_device_from
+from common.engine.sequence import PLACEHOLDER, Sequence
+from common.protocol.sampling_params import SamplingParams
+from common.protocol.structured import check_structured
+
+log = logging.getLogger(__name__)
+
+
+class LogitsProcessors:
+    def __init__(
+        self, load_tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: Seq[int]
+    ) -> None:
+        # Called for the first grammar: a node loads its tokenizer only if it needs one.
+        self.load_tokenizer = load_tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._compiler: Any = None  # built on the first structured request
+        self._grammars: dict[str, Any] = {}
+        self._matchers: dict[str, tuple[Any, int]] = {}  # request id -> (matcher, tokens fed)
+        self._batch: Any = None  # xgrammar's BatchGrammarMatcher, built on first use
+
+    def check(self, params: SamplingParams) -> None:
+        """Compile the request's grammar now (admission), so a bad one fails only itself."""
+        if params.structured is not None:
+            self._grammar(params.structured)
+
+    def release(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+    def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Mask and bias the rows of `logits` [len(seqs), V] whose requests ask for it.
+        Returns `logits`, or a float32 copy when some row was processed."""
+        constrained = [i for i, s in enumerate(seqs) if s.params.structured is not None]
+        biased = [i for i, s in enumerate(seqs) if s.params.logit_bias]
+        if not constrained and not biased:
+            return logits
+        logits = logits.float()
+        if constrained:
+            self._apply_grammar(logits, seqs, constrained)
+        if biased:
+            self._apply_bias(logits, seqs, biased)
+        return logits
+
+    def _apply_grammar(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
+        applied, matchers = [], []
+        for row in rows:
+            matcher = self._caught_up(seqs[row])
+            if matcher is not None and not matcher.is_terminated():
+                matchers.append(matcher)
+                applied.append(row)
+        if applied:
+            if self._batch is None:  # fills the rows' masks on a pool of threads
+                self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=applied)
+            mask = to_device_from(bitmask, logits.device)
+            xgr.apply_token_bitmask_inplace(
+                logits, mask, vocab_size=min(self.vocab_size, logits.shape[1]), indices=applied
+            )
+
+    def _caught_up(self, seq: Sequence) -> Any:
+        import xgrammar as xgr
+
+        rid = seq.request_id
+        if rid in self._matchers:
+            matcher, fed = self._matchers[rid]
+            if matcher is None:
+                return None
+        else:
+            matcher, fed = xgr.GrammarMatcher(self._grammar(seq.params.structured)), 0
+        for token in seq.output_token_ids[fed:]:
+            assert token != PLACEHOLDER, "grammar rows run synchronously (EngineCore)"
+            if not matcher.accept_token(token):
+                # Cannot happen for tokens sampled under the mask; a token from elsewhere
+                # that breaks the grammar leaves the request unconstrained, not the step dead.
+                log.warning("request %s: token %d breaks its grammar; unconstraining", rid, token)
+                self._matchers[rid] = (None, len(seq.output_token_ids))
+                return None
+        self._matchers[rid] = (matcher, len(seq.output_token_ids))
+        return matcher
+
+    def _apply_bias(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+        vocab = logits.shape[1]
+        index_rows, cols, values = [], [], []
+        for row in rows:
+            for token, bias in seqs[row].params.logit_bias:
+                if 0 <= token < vocab:
+                    index_rows.append(row)
+                    cols.append(token)
+                    values.append(bias)
+        device = logits.device
+        logits.index_put_(
+            (torch.tensor(index_rows, device=device), torch.tensor(cols, device=device)),
+            torch.tensor(values, dtype=logits.dtype, device=device),
+            accumulate=True,
+        )
+
+    def _grammar(self, spec: dict[str, Any]) -> Any:
+        key = json.dumps(spec, sort_keys=True)
+        grammar = self._grammars.get(key)
+        if grammar is None:
+            check_structured(spec)
+            compiler = self._grammar_compiler()
+            if spec["type"] == "json_object":
+                # Any object; compact (no free whitespace): a model cannot pad forever.
+                grammar = compiler.compile_json_schema(
+                    '{"type": "object"}', any_whitespace=False, strict_mode=False
+                )
+            else:  # strict: no properties the schema does not name
+                grammar = compiler.compile_json_schema(spec["schema"], any_whitespace=False)
+            self._grammars[key] = grammar
+        return grammar
+
+    def _grammar_compiler(self) -> Any:
+        if self._compiler is None:
+            import xgrammar as xgr
+
+            tokenizer = self.load_tokenizer()
+            if tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer")
+            info = xgr.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
+            )
+            self._compiler = xgr.GrammarCompiler(info)
+        return self._compiler

@@ -1,0 +1,343 @@
+"""Turns a ScheduledBatch into tensors, runs the model, samples one token per finishing row.
+
+`launch` queues one step on the device and returns a `StepHandle` at once: the sampled ids stay
+on the device (the next step reads its placeholder inputs from them there), and one
+non-blocking device-to-host copy plus an event bring them to the host for `StepHandle.result`.
+`execute` is launch + result, for callers that do not overlap.
+
+Decode-only batches replay a captured CUDA graph when one is available (`common.engine.cuda_graphs`);
+everything else (prefill, chunks, mixed batches) runs eagerly.
+
+Tensor parallel (`common.engine.tp_link`): rank 0's runner has a `link` and broadcasts each step's
+`HostInputs` before running it and its sampled ids after; the other ranks call `follow` with
+what they received and run the same forward, without sampling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from common.engine.cuda_graphs import DecodeGraphs, Replay
+from common.engine.device_copy import to_device
+from common.engine.kv_cache import KVCache
+from common.engine.logits_processors import LogitsProcessors
+from common.engine.prefill_graphs import PrefillGraphs
+from common.engine.sampler import SampledRows, Sampler, SamplingInputs, SamplingPlan, host_output
+from common.engine.scheduler import SampledToken, ScheduledBatch
+from common.engine.sequence import PLACEHOLDER
+from common.model.attention import AttentionBackend, AttentionMetadata, ForwardContext
+from common.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from common.engine.tp_link import StepDriver
+
+Fill = tuple[torch.Tensor, torch.Tensor] | None  # (token positions, device ids) to overwrite
+
+
+@dataclass
+class HostInputs:
+    """One step's inputs as plain lists, before they become tensors or graph buffers."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    row_keys: list[tuple[str, int, int]] = field(default_factory=list)  # see DecodeGraphs.launch
+    logits_indices: list[int] = field(default_factory=list)  # token index of each sampling row
+    sample_rows: list[int] = field(default_factory=list)  # batch item index of each sampling row
+    # Tokens not on the host yet: (token index here, row of the previous step's sampled ids).
+    fill_at: list[int] = field(default_factory=list)
+    fill_from: list[int] = field(default_factory=list)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.query_lens) and len(self.sample_rows) == len(
+            self.query_lens
+        )
+
+
+class StepHandle:
+    """A launched step. `token_ids` (device) feed the next step; `result()` waits for the step
+    (its event), releases its staging slot and returns one entry per batch item (None where no
+    token was sampled)."""
+
+    def __init__(self, batch: ScheduledBatch, sample_rows: list[int]) -> None:
+        self.batch = batch
+        self.sample_rows = sample_rows
+        self.token_ids: torch.Tensor | None = None
+        self.plan: SamplingPlan | None = None
+        self.replay: Replay | None = None
+        self._host: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._event: torch.cuda.Event | None = None
+        self._results: list[SampledToken | None] | None = None
+
+    def sampled_row(self) -> dict[str, int]:
+        """Request id -> row of `token_ids`."""
+        items = self.batch.items
+        return {items[r].seq.request_id: i for i, r in enumerate(self.sample_rows)}
+
+    def set_sampled(self, out: SampledRows, plan: SamplingPlan) -> None:
+        """Keep the step's sampled ids on the device and queue their copy to pinned host
+        memory (one copy, a second only when some row asked for logprobs) and an event."""
+        self.token_ids, self.plan = out.token_ids, plan
+        if out.token_ids.device.type != "cuda":
+            self._host = (out.token_ids, out.logprobs)
+            return
+        ids = torch.empty(out.token_ids.shape, dtype=torch.int64, pin_memory=True)
+        ids.copy_(out.token_ids, non_blocking=True)
+        packed = None
+        if out.logprobs is not None:
+            packed = torch.empty(out.logprobs.shape, dtype=torch.float32, pin_memory=True)
+            packed.copy_(out.logprobs, non_blocking=True)
+        self._host = (ids, packed)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def result(self) -> list[SampledToken | None]:
+        if self._results is not None:
+            return self._results
+        if self._event is not None:
+            self._event.synchronize()
+        if self.replay is not None:
+            self.replay.release()  # the step has read its staging buffers
+        results: list[SampledToken | None] = [None] * len(self.batch.items)
+        if self._host is not None:
+            ids, packed = self._host
+            out = host_output(ids.tolist(), None if packed is None else packed.tolist(), self.plan)
+            for i, row in enumerate(self.sample_rows):
+                results[row] = SampledToken(
+                    out.token_ids[i],
+                    None if out.logprobs is None else out.logprobs[i],
+                    None if out.top_logprobs is None else out.top_logprobs[i],
+                )
+        self._results = results
+        return results
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: KVCache,
+        backend: AttentionBackend,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.device = device
+        self.block_size = kv_cache.block_size
+        self.scale = model.spec.head_dim**-0.5
+        self.sampler = Sampler(model.spec.vocab_size, device)
+        self.eos_token_ids = list(model.spec.eos_token_ids)
+        self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
+        # Grammar masks and logit_bias, applied just before sampling (set by the Worker).
+        self.logits_processors: LogitsProcessors | None = None
+        self._k_caches = kv_cache.k_caches
+        self._v_caches = kv_cache.v_caches
+        self.link: StepDriver | None = None  # rank 0 of several: drives the other ranks
+
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> int:
+        """Capture decode graphs (on CPU: set up their buffers, replays run eagerly); returns
+        the bytes they hold."""
+        self.graphs = DecodeGraphs(
+            self.model, self.backend, self.kv_cache, max_num_seqs, max_model_len, self.scale
+        )
+        return self.graphs.capture()
+
+    def capture_prefill_graphs(self, max_tokens: int) -> int:
+        """Capture piecewise graphs for prefill and mixed steps of up to `max_tokens` tokens
+        (on CPU: set up their buffers, steps run the same data flow eagerly); returns bytes."""
+        self.prefill_graphs = PrefillGraphs(
+            self.model, self.backend, self.kv_cache, max_tokens, self.scale
+        )
+        return self.prefill_graphs.capture()
+
+    def release(self, request_id: str) -> None:
+        """Forget per-request sampler state (noise key, token counts) once it has ended."""
+        self.sampler.release(request_id)
+        if self.logits_processors is not None:
+            self.logits_processors.release(request_id)
+
+    def host_inputs(self, batch: ScheduledBatch, prev: StepHandle | None = None) -> HostInputs:
+        """`prev`: the step launched before this one, whose sampled ids may not be on the host
+        yet; a decode row whose input is still a placeholder reads it from there."""
+        bs = self.block_size
+        h = HostInputs()
+        prev_rows = prev.sampled_row() if prev is not None else {}
+        for row, item in enumerate(batch.items):
+            seq, start, n = item.seq, item.start, item.num_new_tokens
+            if n == 1:
+                token = seq.token_at(start)
+                if token == PLACEHOLDER:
+                    h.fill_at.append(len(h.input_ids))
+                    h.fill_from.append(prev_rows[seq.request_id])
+                    token = 0
+                h.input_ids.append(token)
+            else:
+                tokens = seq.all_token_ids[start : start + n]
+                assert PLACEHOLDER not in tokens, "a multi-token row with an unresolved token"
+                h.input_ids.extend(tokens)
+            h.positions.extend(range(start, start + n))
+            blocks = seq.block_ids
+            h.slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+            h.query_lens.append(n)
+            h.seq_lens.append(start + n)
+            h.block_tables.append(blocks)
+            h.row_keys.append((seq.request_id, seq.num_preemptions, len(blocks)))
+            if item.samples:
+                h.logits_indices.append(len(h.input_ids) - 1)
+                h.sample_rows.append(row)
+        return h
+
+    def _tensor(self, values, dtype: torch.dtype) -> torch.Tensor:
+        return to_device(values, dtype, self.device)
+
+    def metadata(self, h: HostInputs) -> AttentionMetadata:
+        width = max(len(t) for t in h.block_tables)
+        cum = [0]
+        for n in h.query_lens:
+            cum.append(cum[-1] + n)
+        return AttentionMetadata(
+            query_start_loc=self._tensor(cum, torch.int32),
+            seq_lens=self._tensor(h.seq_lens, torch.int32),
+            block_tables=self._tensor(
+                [t + [0] * (width - len(t)) for t in h.block_tables], torch.int32
+            ),
+            slot_mapping=self._tensor(h.slots, torch.int64),
+            query_lens_cpu=h.query_lens,
+            seq_lens_cpu=h.seq_lens,
+            max_query_len=max(h.query_lens),
+            max_seq_len=max(h.seq_lens),
+        )
+
+    @torch.inference_mode()
+    def execute(
+        self, batch: ScheduledBatch, on_layer_done: Callable[[int], None] | None = None
+    ) -> list[SampledToken | None]:
+        """Run one step and wait for it; one entry per batch item (None where no token is
+        sampled)."""
+        return self.launch(batch, on_layer_done=on_layer_done).result()
+
+    @torch.inference_mode()
+    def launch(
+        self,
+        batch: ScheduledBatch,
+        prev: StepHandle | None = None,
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> StepHandle:
+        """Queue one step (model and sampling) on the device without waiting for it. Must be
+        called before the scheduler commits the step: sampling reads each row's output length
+        as its draw index."""
+        h = self.host_inputs(batch, prev)
+        handle = StepHandle(batch, h.sample_rows)
+        fill = None
+        if h.fill_at:
+            assert prev is not None and prev.token_ids is not None
+            fill = self._fill(h, prev.token_ids)
+        if self.link is not None:
+            self.link.send_step(h, int(on_layer_done is not None))
+        handle.replay, logits = self._forward(h, fill, on_layer_done)
+        try:
+            self._sample(handle, batch, logits)
+        except BaseException:
+            if handle.replay is not None:  # give the staging slot back: nothing reads it now
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                handle.replay.release()
+            raise
+        finally:
+            if self.link is not None:
+                self.link.send_ids(handle.token_ids, len(h.sample_rows))
+        return handle
+
+    @torch.inference_mode()
+    def follow(
+        self,
+        h: HostInputs,
+        prev_ids: torch.Tensor | None,
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> Replay | None:
+        """A rank > 0: run the forward rank 0 announced (`prev_ids`: the previous step's
+        sampled ids, for placeholder tokens). The caller releases the returned replay's
+        staging slot once the step has run."""
+        fill = self._fill(h, prev_ids) if h.fill_at else None
+        replay, _ = self._forward(h, fill, on_layer_done)
+        return replay
+
+    def _fill(self, h: HostInputs, prev_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        at, src = self._tensor([h.fill_at, h.fill_from], torch.int64)  # one copy to the device
+        return at, prev_ids.index_select(0, src)
+
+    def _forward(
+        self, h: HostInputs, fill: Fill, on_layer_done: Callable[[int], None] | None
+    ) -> tuple[Replay | None, torch.Tensor | None]:
+        """(the replay whose staging slot the step uses, or None; the sampling rows' logits)."""
+        if (
+            self.graphs is not None
+            and on_layer_done is None
+            and h.is_decode_only
+            and self.graphs.fits(len(h.input_ids))
+        ):
+            replay = self.graphs.launch(
+                h.input_ids, h.positions, h.slots, h.seq_lens, h.block_tables, h.row_keys, fill
+            )
+            return replay, replay.output
+        if (
+            self.prefill_graphs is not None
+            and not h.is_decode_only
+            and self.prefill_graphs.fits(len(h.input_ids))
+        ):
+            replay = self.prefill_graphs.launch(
+                h.input_ids, h.positions, self.metadata(h), fill, on_layer_done
+            )
+            return replay, self._logits(h, replay.output)
+        return None, self._eager(h, fill, on_layer_done)
+
+    def _sample(self, handle: StepHandle, batch: ScheduledBatch, logits) -> None:
+        if handle.sample_rows:
+            seqs = [batch.items[row].seq for row in handle.sample_rows]
+            if self.logits_processors is not None:  # grammar masks, logit_bias
+                logits = self.logits_processors.apply(logits, seqs)
+            inputs = SamplingInputs(
+                params=[s.params for s in seqs],
+                prompt_token_ids=[s.prompt_token_ids for s in seqs],
+                output_token_ids=[s.output_token_ids for s in seqs],
+                eos_token_ids=[self.eos_token_ids] * len(seqs),
+                request_ids=[s.request_id for s in seqs],
+            )
+            plan = self.sampler.plan(inputs, tuple(logits.shape))
+            handle.set_sampled(self.sampler.sample(logits, plan), plan)
+
+    def _eager(
+        self,
+        h: HostInputs,
+        fill: tuple[torch.Tensor, torch.Tensor] | None,
+        on_layer_done: Callable[[int], None] | None,
+    ) -> torch.Tensor | None:
+        ctx = ForwardContext(
+            self.backend,
+            self.metadata(h),
+            self._k_caches,
+            self._v_caches,
+            self.scale,
+            on_layer_done,
+        )
+        input_ids = self._tensor(h.input_ids, torch.int64)
+        if fill is not None:
+            input_ids.index_copy_(0, *fill)
+        hidden = self.model(input_ids, self._tensor(h.positions, torch.int64), ctx)
+        return self._logits(h, hidden)
+
+    def _logits(self, h: HostInputs, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits of the sampling rows of `hidden` (one row per token)."""
+        if not h.sample_rows:
+            return None
+        return self.model.compute_logits(hidden[self._tensor(h.logits_indices, torch.int64)])

@@ -1,0 +1,220 @@
+"""CUDA graphs for prefill and mixed steps: by token-count bucket, piecewise around attention.
+
+A step of T tokens (prompt chunks, decode rows, any mix) runs padded to the smallest bucket
+B >= T. Attention is the one op whose launch depends on the batch's make-up (number of
+sequences, longest query), so it runs eagerly and everything between two attentions is one
+captured graph, as vLLM's piecewise mode does: piece 0 is the embedding and layer 0 up to its
+attention; piece l is layer l-1 after its attention and layer l up to its own; the last piece
+ends with the final norm. A step is num_layers + 1 replays and num_layers eager attention
+calls instead of ~10 launches per layer.
+
+Data between pieces goes through static buffers: each piece ends by copying q, k, v into
+`q`, `k`, `v`; the eager attention sees only the real tokens' rows (so every backend gets the
+shapes of an eager step, and padding rows write no KV) and writes them into `attn_out`, which
+the next piece reads (padding rows there hold stale, finite values: dense ops are row-wise); the
+last piece writes `hidden`. Logits of the
+sampling rows are projected eagerly from `hidden`. The per-layer hook (the prefill node ships a
+layer's KV) runs right after that layer's attention, as in an eager step.
+
+On a CPU device nothing is captured: `launch` runs the same padded forward with the same
+buffers and boundary copies, so tests cover the data flow.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from common.engine.cuda_graphs import STAGING_DEPTH, Replay, StagingRing
+from common.engine.kv_cache import KVCache
+from common.model.attention import AttentionBackend, AttentionMetadata, ForwardContext
+from common.model.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+LayerHook = Callable[[int], None]
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """16, 32, ..., 512, then every 256, up to and including max_tokens (a multiple of 16)."""
+    if max_tokens < 16 or max_tokens % 16:
+        raise ValueError(f"prefill graph max tokens must be a multiple of 16, got {max_tokens}")
+    sizes = [s for s in (16, 32, 64, 128, 256, 512) if s < max_tokens]
+    sizes += list(range(768, max_tokens, 256))
+    return sorted(set(sizes + [max_tokens]))
+
+
+class PrefillGraphs:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        backend: AttentionBackend,
+        kv_cache: KVCache,
+        max_tokens: int,
+        scale: float,
+    ) -> None:
+        self.model, self.backend, self.kv_cache, self.scale = model, backend, kv_cache, scale
+        self.buckets = token_buckets(max_tokens)
+        n = self.max_tokens = self.buckets[-1]
+        spec, pool = model.spec, kv_cache.pool
+        device, dtype = pool.device, model.lm_head.weight.dtype
+        self.on_cuda = device.type == "cuda"
+        self._vectors = torch.zeros(2, n, dtype=torch.int64, device=device)  # ids, positions
+        self.input_ids, self.positions = self._vectors
+        self.q = torch.zeros(n, spec.num_heads, spec.head_dim, dtype=dtype, device=device)
+        self.k = torch.zeros(n, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.attn_out = torch.zeros_like(self.q)
+        self.hidden = torch.zeros(n, spec.hidden_size, dtype=dtype, device=device)
+        self.staging = StagingRing(STAGING_DEPTH, n, 1, pinned=self.on_cuda)
+        self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.launches = 0  # steps served (tests and benchmarks read it)
+
+    def fits(self, num_tokens: int) -> bool:
+        return num_tokens <= self.max_tokens
+
+    def bucket(self, num_tokens: int) -> int:
+        return next(b for b in self.buckets if b >= num_tokens)
+
+    # -- capture --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self) -> int:
+        """Capture every bucket's pieces (largest first, one memory pool); returns bytes used.
+        On a CPU device nothing is captured."""
+        if not self.on_cuda:
+            return 0
+        before = torch.cuda.memory_reserved()
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        for bucket in reversed(self.buckets):
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._run(bucket, _Boundary(self, bucket, None, None))  # warm-up, autotune
+                torch.cuda.synchronize()
+                boundary = _Boundary(self, bucket, None, None, pool=pool)
+                boundary.begin_piece()
+                self._run(bucket, boundary)
+                boundary.end_piece()
+            torch.cuda.current_stream().wait_stream(side)
+            self.pieces[bucket] = boundary.graphs
+        torch.cuda.synchronize()
+        used = torch.cuda.memory_reserved() - before
+        log.info(
+            "captured prefill graphs for %d token buckets %s (%d pieces each), %.1f MiB",
+            len(self.buckets),
+            self.buckets,
+            self.model.spec.num_layers + 1,
+            used / 2**20,
+        )
+        return used
+
+    def _run(self, bucket: int, boundary: _Boundary) -> None:
+        hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], boundary)
+        self.hidden[:bucket].copy_(hidden)
+
+    # -- one step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def launch(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        metadata: AttentionMetadata,
+        fill_ids: tuple[torch.Tensor, torch.Tensor] | None = None,
+        on_layer_done: LayerHook | None = None,
+    ) -> Replay:
+        """Stage one step's tokens (padded to its bucket) and run it; the Replay's output is
+        the hidden states of the real tokens, [T, hidden]. `metadata` describes the real
+        tokens, as for an eager step. `fill_ids` as in `DecodeGraphs.launch`."""
+        n = len(input_ids)
+        bucket = self.bucket(n)
+        slot, generation = self.staging.acquire()
+        try:
+            stage = slot.vectors
+            stage[:2, :n] = torch.tensor([input_ids, positions])
+            stage[:2, n:bucket] = 0
+            self._vectors[:, :bucket].copy_(stage[:2, :bucket], non_blocking=True)
+            if fill_ids is not None:
+                self.input_ids.index_copy_(0, *fill_ids)
+            if self.on_cuda:
+                self._replay(bucket, n, metadata, on_layer_done)
+            else:
+                self._run(bucket, _Boundary(self, bucket, (n, metadata), on_layer_done))
+        except BaseException:
+            if self.on_cuda:
+                torch.cuda.synchronize()
+            slot.release(generation)
+            raise
+        self.launches += 1
+        return Replay(self.hidden[:n], slot, generation)
+
+    def _replay(
+        self, bucket: int, n: int, metadata: AttentionMetadata, hook: LayerHook | None
+    ) -> None:
+        pieces = self.pieces[bucket]
+        pieces[0].replay()
+        for layer, piece in enumerate(pieces[1:]):
+            self.attend(layer, n, metadata, hook)
+            piece.replay()
+
+    def attend(
+        self, layer: int, n: int, metadata: AttentionMetadata, hook: LayerHook | None
+    ) -> None:
+        """The eager part between two pieces: layer `layer`'s attention over the first `n`
+        (real) rows of the static q, k, v (writing their KV), into `attn_out`; then the
+        per-layer hook."""
+        out = self.backend.forward(
+            self.q[:n],
+            self.k[:n],
+            self.v[:n],
+            self.kv_cache.k_caches[layer],
+            self.kv_cache.v_caches[layer],
+            metadata,
+            self.scale,
+        )
+        self.attn_out[:n].copy_(out)
+        if hook is not None:
+            hook(layer)
+
+
+class _Boundary(ForwardContext):
+    """Stands in for the attention of each layer while the model runs over a bucket: copies q,
+    k, v into the static buffers and returns the static attention output. Capturing (`pool`
+    given), that is where one piece's graph ends and the next begins; with `step` (the real
+    token count and metadata: CPU) the attention runs right there, as a replay runs it between
+    pieces; with neither (warm-up) it does not run at all."""
+
+    def __init__(
+        self,
+        owner: PrefillGraphs,
+        bucket: int,
+        step: tuple[int, AttentionMetadata] | None,
+        hook: LayerHook | None,
+        pool: object | None = None,
+    ) -> None:
+        self.owner, self.bucket, self.step, self.hook = owner, bucket, step, hook
+        self.pool = pool
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+
+    def begin_piece(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool)
+        self.graphs.append(graph)
+
+    def end_piece(self) -> None:
+        self.graphs[-1].capture_end()
+
+    def attention(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        o, b = self.owner, self.bucket
+        o.q[:b].copy_(q)
+        o.k[:b].copy_(k)
+        o.v[:b].copy_(v)
+        if self.pool is not None:
+            self.end_piece()
+            self.begin_piece()
+        elif self.step is not None:
+            o.attend(layer, *self.step, self.hook)
+        return o.attn_out[:b]

@@ -1,0 +1,138 @@
+"""How rank 0 drives the other tensor-parallel ranks of a node, one step at a time.
+
+Rank 0 schedules; before it runs a step it broadcasts the step's `HostInputs` packed into one
+int64 tensor (after a fixed 8-int header that says the command and the lengths) over the gloo
+`cpu_group`: no pickling, no Python objects, a few KB per step. Every rank then runs the same
+forward (its collectives pair up with rank 0's). Only rank 0 samples; it broadcasts the sampled
+ids over the device group, so each rank holds them on its device and fills the next step's
+placeholder tokens there, as rank 0 does in an overlapped loop.
+
+Packed step: header `[STEP, tokens, rows, samples, fills, table entries, flags, 0]`, then
+input_ids, positions, slots (per token); query_lens, seq_lens, row keys, table lengths (per
+row); the block tables, concatenated; logits_indices, sample_rows (per sampled row); fill_at,
+fill_from (per placeholder). Row keys are hashes of rank 0's `(request id, preemptions,
+blocks)` keys: equal hash, equal row (see `DecodeGraphs.launch`).
+
+Between steps rank 0 may send a command (`kv_transfer.tp`: KV transfer calls a prefill rank
+mirrors, KV heads a decode rank writes): header `[COMMAND, bytes, payload rows, 0...]`, a
+msgpack map as a uint8 tensor, then an optional payload tensor over the device group. Commands
+are rare (per request, not per step) and carry strings (request ids, addresses).
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+from typing import Any
+
+import msgpack
+import torch
+
+from common.engine.model_runner import HostInputs
+from common.model.distributed import TPGroup
+
+STEP, STOP, COMMAND = 1, 2, 3
+HEADER = 8
+HAS_LAYER_HOOK = 1  # flags: rank 0 runs this step with a per-layer hook (the same path here)
+
+
+def pack(h: HostInputs, flags: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    lens = [len(t) for t in h.block_tables]
+    header = [STEP, len(h.input_ids), len(h.query_lens), len(h.logits_indices), len(h.fill_at)]
+    header += [sum(lens), flags, 0]
+    keys = [hash(k) for k in h.row_keys]
+    body = [*h.input_ids, *h.positions, *h.slots, *h.query_lens, *h.seq_lens, *keys, *lens]
+    for table in h.block_tables:
+        body += table
+    body += [*h.logits_indices, *h.sample_rows, *h.fill_at, *h.fill_from]
+    return torch.tensor(header, dtype=torch.int64), torch.tensor(body, dtype=torch.int64)
+
+
+def unpack(header: list[int], body: torch.Tensor) -> tuple[HostInputs, int]:
+    _, tokens, rows, samples, fills, _, flags, _ = header
+    values = body.tolist()
+    sizes = [tokens] * 3 + [rows] * 4
+    cuts = list(accumulate(sizes, initial=0))
+    parts = [values[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+    ids, positions, slots, query_lens, seq_lens, keys, lens = parts
+    at = cuts[-1]
+    tables = []
+    for n in lens:
+        tables.append(values[at : at + n])
+        at += n
+    tail = [values[at + i * samples : at + (i + 1) * samples] for i in range(2)]
+    at += 2 * samples
+    fill_at, fill_from = values[at : at + fills], values[at + fills : at + 2 * fills]
+    h = HostInputs(ids, positions, slots, query_lens, seq_lens, tables, keys, *tail)
+    h.fill_at, h.fill_from = fill_at, fill_from
+    return h, flags
+
+
+class StepDriver:
+    """Rank 0's side: announce each step, then share its sampled ids."""
+
+    def __init__(self, tp: TPGroup, device: torch.device) -> None:
+        self.tp, self.device = tp, device
+
+    def send_step(self, h: HostInputs, flags: int = 0) -> None:
+        header, body = pack(h, flags)
+        self.tp.broadcast(header, cpu=True)
+        self.tp.broadcast(body, cpu=True)
+
+    def send_ids(self, token_ids: torch.Tensor | None, rows: int) -> None:
+        """Every step with sampled rows sends exactly `rows` ids, zeros when sampling failed,
+        so the ranks' collectives stay paired."""
+        if rows == 0:
+            return
+        if token_ids is None:
+            token_ids = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        self.tp.broadcast(token_ids.to(torch.int64).contiguous())
+
+    def stop(self) -> None:
+        self.tp.broadcast(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64), cpu=True)
+
+    def send_command(self, command: dict[str, Any], payload: torch.Tensor | None = None) -> None:
+        """`payload`: a tensor of the model's device (its dtype and shape go in `command`)."""
+        data = msgpack.packb(command, use_bin_type=True)
+        rows = 0 if payload is None else 1
+        header = torch.tensor([COMMAND, len(data), rows] + [0] * (HEADER - 3), dtype=torch.int64)
+        self.tp.broadcast(header, cpu=True)
+        self.tp.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), cpu=True)
+        if payload is not None:
+            self.tp.broadcast(payload.contiguous())
+
+
+Command = tuple[dict[str, Any], torch.Tensor | None]  # (map, payload)
+
+
+class StepFollower:
+    """A rank > 0: receive each step, run the same forward, receive the sampled ids."""
+
+    def __init__(self, tp: TPGroup, device: torch.device) -> None:
+        self.tp, self.device = tp, device
+
+    def receive(self) -> tuple[HostInputs, int] | Command | None:
+        """The next step `(inputs, flags)`, a command `(map, payload)`, or None: stop."""
+        header = self.tp.broadcast(torch.zeros(HEADER, dtype=torch.int64), cpu=True).tolist()
+        if header[0] == STOP:
+            return None
+        if header[0] == COMMAND:
+            return self._command(header[1], header[2])
+        tokens, rows, samples, fills, entries = header[1:6]
+        size = 3 * tokens + 4 * rows + entries + 2 * samples + 2 * fills
+        body = self.tp.broadcast(torch.zeros(size, dtype=torch.int64), cpu=True)
+        return unpack(header, body)
+
+    def _command(self, nbytes: int, rows: int) -> Command:
+        data = self.tp.broadcast(torch.zeros(nbytes, dtype=torch.uint8), cpu=True)
+        command = msgpack.unpackb(data.numpy().tobytes(), raw=False)
+        payload = None
+        if rows:
+            dtype = getattr(torch, command["dtype"].removeprefix("torch."))
+            payload = torch.empty(command["shape"], dtype=dtype, device=self.device)
+            self.tp.broadcast(payload)
+        return command, payload
+
+    def receive_ids(self, rows: int) -> torch.Tensor | None:
+        if rows == 0:
+            return None
+        return self.tp.broadcast(torch.zeros(rows, dtype=torch.int64, device=self.device))

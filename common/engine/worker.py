@@ -1,0 +1,299 @@
+"""Everything one process needs to run the model: weights, KV pool, block allocator, runner.
+
+Built once per engine process (colocated engine, prefill node, decode node). Values found here
+at run time go to `RuntimeInfo`; the frozen `EngineConfig` is never modified.
+
+With `tp > 1` the Worker of rank 0 (the node's own process) starts the other ranks
+(`common.engine.tp_ranks`), each of which builds the same Worker for its rank and then `follow`s
+rank 0's steps. Every rank holds its slice of the weights and a KV pool of its KV heads, with
+the same number of blocks on every rank (the smallest any rank can hold).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from common.engine.block_allocator import BlockAllocator
+from common.engine.config import EngineConfig
+from common.engine.cuda_graphs import STAGING_DEPTH
+from common.engine.kv_cache import (
+    DEFAULT_CPU_KV_BYTES,
+    KVCache,
+    gpu_kv_budget,
+    num_blocks_for_budget,
+)
+from common.engine.logits_processors import LogitsProcessors
+from common.engine.memory_probe import graph_margin, step_peak_bytes
+from common.engine.model_runner import ModelRunner
+from common.engine.sequence import Sequence
+from common.engine.tp_link import StepDriver, StepFollower
+from common.engine.tp_ranks import RankHandler, RankProcesses, RankRole
+from common.model.attention import create_backend
+from common.model.attention.selection import choose_backend
+from common.model.distributed import TPGroup
+from common.model.loader import build_model
+from common.model.parallel import TPLayout, rank_spec
+from common.model.source import ModelSource, read_spec, resolve_model
+from common.model.spec import ModelSpec
+from common.protocol.sampling_params import SamplingParams
+from common.text.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    model_name: str
+    device: str
+    dtype: str
+    attention_backend: str
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    cuda_graph_sizes: tuple[int, ...] = ()
+    cuda_graph_bytes: int = 0  # decode graphs (shared logits buffer included)
+    prefill_graph_buckets: tuple[int, ...] = ()  # token counts of the prefill/mixed graphs
+    prefill_graph_bytes: int = 0
+    weight_bytes: int = 0
+    tp: int = 1
+
+
+def pick_device(name: str, rank: int = 0, tp: int = 1) -> torch.device:
+    """`rank`'s device: `cuda:A,B,...` names one GPU per rank; with several ranks `cuda` (or
+    `auto` with a GPU) means GPUs 0..tp-1."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and tp > 1:
+        ids = name.partition(":")[2].split(",") if ":" in name else [str(r) for r in range(tp)]
+        if len(ids) != tp:
+            raise ValueError(f"device {name!r} must name one GPU per rank (tp={tp}): cuda:A,B,...")
+        name = f"cuda:{ids[rank]}"
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} requested but CUDA is not available")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+class Worker:
+    def __init__(
+        self,
+        config: EngineConfig,
+        role: RankRole | None = None,
+        rank: int = 0,
+        init_method: str | None = None,
+    ) -> None:
+        """Rank 0 (the default) starts the other ranks, telling them their `role` (what
+        their node does with KV); rank r > 0 joins at `init_method`."""
+        self.config = config
+        mc, cc = config.model, config.cache
+        self.device = pick_device(mc.device, rank, config.tp)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = pick_dtype(mc.dtype, self.device)
+        self.source: ModelSource = resolve_model(
+            mc.model, dtype=str(self.dtype).removeprefix("torch.")
+        )
+        self.spec: ModelSpec = read_spec(self.source)
+        TPLayout.of(self.spec, config.tp)  # a TP size the model cannot split fails here
+        self.ranks = None
+        if config.tp > 1 and rank == 0:
+            self.ranks = RankProcesses(config, role or RankRole())
+        self.tp = TPGroup.single()
+        if config.tp > 1:
+            address = self.ranks.init_method if self.ranks else init_method
+            self.tp = TPGroup.init(rank, config.tp, address, self.device)
+        # This rank's heads, KV heads and MLP slice: what its layers and KV pool hold.
+        self.rank_spec = rank_spec(self.spec, self.tp.layout(self.spec))
+        max_len = mc.max_model_len or self.spec.max_position_embeddings
+        if not config.scheduler.enable_chunked_prefill:
+            # An unsplittable prompt (or a preempted sequence's recompute) must fit one step.
+            max_len = min(max_len, config.scheduler.max_num_batched_tokens)
+        if self.spec.sliding_window:
+            # Within one window sliding-window attention equals full attention.
+            max_len = min(max_len, self.spec.sliding_window)
+        self.model = build_model(
+            self.spec,
+            self.source,
+            max_positions=max_len,
+            dtype=self.dtype,
+            device=self.device,
+            load_format=mc.load_format,
+            seed=mc.seed,
+            tp=self.tp,
+        )
+        backend_name, why = choose_backend(config.attention_backend, self.device, cc.block_size)
+        log.info("attention backend: %s (%s)", backend_name, why)
+        self.backend = create_backend(backend_name)
+        self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        num_blocks = self.tp.min_int(self._size_kv_cache(max_len))
+        self.kv_cache = KVCache.allocate(
+            self.rank_spec, num_blocks, cc.block_size, self.dtype, self.device
+        )
+        self.allocator = BlockAllocator(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device)
+        if self.tp.size > 1 and self.tp.is_driver:
+            self.runner.link = StepDriver(self.tp, self.device)
+        self.runner.logits_processors = LogitsProcessors(
+            lambda: self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids
+        )
+        max_model_len = min(max_len, num_blocks * cc.block_size)
+        graph_bytes = prefill_graph_bytes = 0
+        if self.use_graphs:
+            graph_bytes = self.runner.capture_graphs(config.scheduler.max_num_seqs, max_model_len)
+            if config.prefill_graph_max_tokens:
+                max_tokens = config.prefill_graph_max_tokens
+                prefill_graph_bytes = self.runner.capture_prefill_graphs(max_tokens)
+        prefill = self.runner.prefill_graphs
+        self.runtime = RuntimeInfo(
+            model_name=self.source.name,
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+            attention_backend=self.backend.name,
+            num_kv_blocks=num_blocks,
+            block_size=cc.block_size,
+            max_model_len=max_model_len,
+            vocab_size=self.spec.vocab_size,
+            eos_token_ids=self.spec.eos_token_ids,
+            cuda_graph_sizes=tuple(self.runner.graphs.sizes) if self.runner.graphs else (),
+            cuda_graph_bytes=graph_bytes,
+            prefill_graph_buckets=tuple(prefill.buckets) if prefill else (),
+            prefill_graph_bytes=prefill_graph_bytes,
+            weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            tp=self.tp.size,
+        )
+        log.info("worker ready (rank %d of %d): %s", self.tp.rank, self.tp.size, self.runtime)
+
+    @functools.cached_property
+    def tokenizer(self) -> Any | None:
+        """The model's HF tokenizer (None when it ships none), loaded on first use: a node
+        needs it only for grammars, and importing transformers costs seconds of CPU."""
+        return load_tokenizer(self.source.directory)
+
+    def follow(self, handler: RankHandler | None = None) -> None:
+        """A rank > 0: run rank 0's steps until it says stop; `handler` acts on its commands
+        and gives the per-layer hook of steps rank 0 runs with one (`kv_transfer.tp`). Like
+        rank 0, it keeps one step in flight: a replay's staging slot is given back once the
+        step after it was queued and the replayed step has finished (an event)."""
+        follower = StepFollower(self.tp, self.device)
+        prev_ids = None
+        pending: deque[tuple[Any, torch.cuda.Event | None]] = deque()
+        while (message := follower.receive()) is not None:
+            if isinstance(message[0], dict):
+                if handler is not None:
+                    handler.command(*message)
+                continue
+            h, flags = message
+            while len(pending) >= STAGING_DEPTH:
+                replay, done = pending.popleft()
+                if done is not None:
+                    done.synchronize()
+                replay.release()
+            hook = handler.layer_hook(flags) if handler is not None else None
+            replay = self.runner.follow(h, prev_ids, hook)
+            prev_ids = follower.receive_ids(len(h.sample_rows))
+            if replay is not None:
+                done = torch.cuda.Event() if self.device.type == "cuda" else None
+                if done is not None:
+                    done.record()
+                pending.append((replay, done))
+        for replay, done in pending:
+            if done is not None:
+                done.synchronize()
+            replay.release()
+
+    def close(self) -> None:
+        """Rank 0: stop the other ranks (they return from `follow`), then leave the group."""
+        if self.runner.link is not None:
+            self.runner.link.stop()
+            self.runner.link = None
+        if self.ranks is not None:
+            self.ranks.stop()
+            self.ranks = None
+        self.tp.close()
+
+    def new_sequence(self, request_id: str, prompt: Any, params: SamplingParams) -> Sequence:
+        """A validated Sequence for this process: ValueError (with the offending values) for an
+        empty prompt, a token outside the vocabulary, or a prompt at or past the context limit.
+        `prompt` is a list of ints or an integer array (a received IntArray); the range check is
+        vectorised."""
+        rt = self.runtime
+        try:
+            ids = np.asarray(prompt)
+        except (TypeError, ValueError, OverflowError):
+            ids = np.zeros((0, 0))
+        if ids.size == 0 and ids.ndim == 1:
+            raise ValueError("the prompt is empty")
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise ValueError("token ids must be a flat list of integers")
+        bad = ids[(ids < 0) | (ids >= rt.vocab_size)]
+        if bad.size:
+            raise ValueError(
+                f"token ids out of vocabulary [0, {rt.vocab_size}): {bad[:5].tolist()}"
+            )
+        if len(ids) >= rt.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; the context limit is {rt.max_model_len}"
+            )
+        self.runner.logits_processors.check(params)  # a grammar that cannot compile fails here
+        return Sequence(
+            request_id,
+            ids.tolist(),
+            params,
+            frozenset(rt.eos_token_ids),
+            max_model_len=rt.max_model_len,
+        )
+
+    def _size_kv_cache(self, max_len: int) -> int:
+        cc = self.config.cache
+        if cc.num_kv_blocks is not None:
+            return cc.num_kv_blocks
+        if cc.kv_cache_memory_bytes is not None:
+            budget = cc.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            self._profile_peak_memory(max_len)
+            budget = gpu_kv_budget(self.device, cc.kv_memory_fraction)
+            if self.use_graphs:
+                # Captured graphs keep their steps' activations (and the shared logits buffer)
+                # in their own pools; measured here so the KV pool leaves room.
+                budget -= self._graph_bytes()
+        else:
+            budget = DEFAULT_CPU_KV_BYTES
+        return num_blocks_for_budget(self.rank_spec, cc.block_size, self.dtype, budget)
+
+    def _graph_bytes(self) -> int:
+        """What the captured graphs will hold, from eager steps of their largest shapes: the
+        decode sizes share one pool and one logits buffer (the largest size is the peak), the
+        prefill buckets another pool (the largest bucket is the peak)."""
+        bs, n = self.config.cache.block_size, self.config.scheduler.max_num_seqs
+        total = graph_margin(step_peak_bytes(self.model, self.backend, bs, [1] * n))
+        if self.config.prefill_graph_max_tokens:
+            tokens = [self.config.prefill_graph_max_tokens]
+            total += graph_margin(step_peak_bytes(self.model, self.backend, bs, tokens))
+        return total
+
+    def _profile_peak_memory(self, max_len: int) -> None:
+        """Run the largest step once on a scratch KV pool so the peak activation size is known."""
+        sc, bs = self.config.scheduler, self.config.cache.block_size
+        step_peak_bytes(self.model, self.backend, bs, [min(sc.max_num_batched_tokens, max_len)])

@@ -1,0 +1,39 @@
+"""Which attention backend `auto` means on this device, and why (logged by the worker)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from common.model.attention.flash_attn_backend import (
+    REQUIRED_BLOCK_SIZE_MULTIPLE,
+    check_block_size,
+    flash_attn_available,
+)
+
+
+def choose_backend(name: str, device: torch.device, block_size: int) -> tuple[str, str]:
+    """Return (backend name, reason). Explicit names are returned as given."""
+    if name == "flash_attn":
+        if not flash_attn_available():
+            raise ValueError(
+                "--attention-backend flash_attn needs the flash_attn package and a CUDA GPU"
+            )
+        check_block_size(block_size)
+    if name != "auto":
+        return name, "requested"
+    if device.type != "cuda":
+        return "torch", "CPU device: the torch reference backend"
+    if flash_attn_available() and block_size % REQUIRED_BLOCK_SIZE_MULTIPLE == 0:
+        return "flash_attn", "flash_attn is installed and the page size suits it"
+    if importlib.util.find_spec("triton") is not None:
+        why = (
+            "flash_attn not installed"
+            if not flash_attn_available()
+            else (
+                f"block size {block_size} is not a multiple of {REQUIRED_BLOCK_SIZE_MULTIPLE} for flash_attn"
+            )
+        )
+        return "triton", f"{why}; triton kernels"
+    return "torch", "neither flash_attn nor triton importable"

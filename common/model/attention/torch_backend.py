@@ -1,0 +1,97 @@
+"""Reference attention on plain torch ops: correct on CPU and GPU, not fast.
+
+Decode-only batches gather every sequence's blocks into one padded tensor; batches with
+prefill tokens loop over sequences with an explicit causal mask offset by the cached context.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from common.model.attention.base import AttentionMetadata
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Scatter new k/v rows into the paged cache. Slots must be valid (padding rows use the
+    pool's padding slot), which keeps this free of host syncs and safe to capture."""
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached rows of one sequence: [length, kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    rows = cache[block_table[:num_blocks].long()]
+    return rows.reshape(-1, *cache.shape[2:])[:length]
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        if metadata.is_decode_only:
+            return self._decode(q, k_cache, v_cache, metadata, scale)
+        return self._prefill(q, k_cache, v_cache, metadata, scale)
+
+    def _decode(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
+        num_seqs = metadata.num_seqs
+        block_size = k_cache.shape[1]
+        max_blocks = (metadata.max_seq_len + block_size - 1) // block_size
+        tables = metadata.block_tables[:num_seqs, :max_blocks].long()
+        keys = k_cache[tables].flatten(1, 2)  # [B, max_blocks*block_size, kv_heads, d]
+        values = v_cache[tables].flatten(1, 2)
+        positions = torch.arange(keys.shape[1], device=q.device)
+        valid = positions[None, :] < metadata.seq_lens[:num_seqs, None]
+        out = F.scaled_dot_product_attention(
+            q[:num_seqs].unsqueeze(2).to(keys.dtype),  # [B, heads, 1, d]
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=valid[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )
+        result = torch.zeros_like(q)
+        result[:num_seqs] = out.squeeze(2).to(q.dtype)
+        return result
+
+    def _prefill(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
+        out = torch.empty_like(q)
+        start = 0
+        for i, (q_len, ctx_len) in enumerate(
+            zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True)
+        ):
+            table = metadata.block_tables[i]
+            keys = gather_context(k_cache, table, ctx_len).transpose(0, 1)
+            values = gather_context(v_cache, table, ctx_len).transpose(0, 1)
+            query = q[start : start + q_len].transpose(0, 1)
+            # Query j sits at absolute position ctx_len - q_len + j and sees keys up to it.
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+            k_pos = torch.arange(ctx_len, device=q.device)
+            mask = k_pos[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(
+                query.to(keys.dtype), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+            out[start : start + q_len] = o.transpose(0, 1).to(q.dtype)
+            start += q_len
+        if start < q.shape[0]:
+            out[start:] = 0
+        return out

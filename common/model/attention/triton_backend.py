@@ -1,0 +1,88 @@
+"""Attention on our Triton kernels (`common.model.kernels`): fused KV write, then paged prefill or
+split-K decode. Runs compiled on CUDA and, under `TRITON_INTERPRET=1`, on CPU (tests).
+
+CUDA-graph contract of the decode path: on the host it uses only tensor shapes and
+`metadata.max_seq_len` (an upper bound that picks the split count); per-sequence lengths are
+read on the device. Its split scratch buffers are allocated on the first call with a given
+shape (the warm-up before capture) and reused by every later call and replay, so a replay
+allocates nothing. Calls run in stream order, so one buffer serves every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.model.attention.base import AttentionMetadata
+from common.model.kernels.fused_ops import write_kv
+from common.model.kernels.paged_attention import (
+    DecodeScratch,
+    decode_num_splits,
+    paged_decode_attention,
+    paged_prefill_attention,
+)
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def __init__(self) -> None:
+        # (num_seqs, num_heads, num_splits, head_dim, device) -> scratch; owned for the
+        # backend's lifetime because captured graphs keep pointers into it.
+        self._scratch: dict[tuple[int, int, int, int, torch.device], DecodeScratch] = {}
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        if metadata.is_decode_only:
+            return self._decode(q, k_cache, v_cache, metadata, scale)
+        return self._prefill(q, k_cache, v_cache, metadata, scale)
+
+    def _decode(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        num_seqs = min(q.shape[0], metadata.seq_lens.shape[0])
+        if num_seqs < q.shape[0]:  # query rows without a sequence
+            out[num_seqs:].zero_()
+        splits = decode_num_splits(num_seqs, k_cache.shape[2], metadata.max_seq_len, q.device)
+        scratch = None
+        if splits > 1:
+            key = (num_seqs, q.shape[1], splits, q.shape[2], q.device)
+            scratch = self._scratch.get(key)
+            if scratch is None:
+                scratch = self._scratch[key] = DecodeScratch.allocate(*key)
+        paged_decode_attention(
+            q[:num_seqs],
+            k_cache,
+            v_cache,
+            out[:num_seqs],
+            metadata.seq_lens,
+            metadata.block_tables,
+            scale,
+            scratch,
+        )
+        return out
+
+    def _prefill(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        num_tokens = sum(metadata.query_lens_cpu)
+        if num_tokens < q.shape[0]:  # padding tokens after the last sequence
+            out[num_tokens:].zero_()
+        paged_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            metadata.block_tables,
+            metadata.max_query_len,
+            scale,
+        )
+        return out

@@ -1,0 +1,207 @@
+"""Fused elementwise kernels: RMSNorm (+ residual add), SiLU-and-mul, neox rotary, KV write.
+
+Each program owns one token row, so launches need no host-side knowledge of values (capturable
+in CUDA graphs). Math runs in fp32 and rounds where the torch reference in `common.model.ops`
+rounds; inputs need only their last dimension contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _row_warps(block: int) -> int:
+    return 4 if block <= 2048 else 8 if block <= 8192 else 16
+
+
+# fmt: off
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    stride_x0, stride_x1, stride_r0, stride_r1, inner, n, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # fmt: on
+    """Row r of `[outer, inner, n]` (strided) -> contiguous out row r."""
+    row = tl.program_id(0).to(tl.int64)
+    a, b = row // inner, row % inner
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + a * stride_x0 + b * stride_x1 + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + a * stride_r0 + b * stride_r1 + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded like torch's x + r
+        tl.store(res_out_ptr + row * n + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, 0) / n + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    # torch: weight * (x * rstd).to(x.dtype), in the promoted dtype of weight and x.
+    y = (xf * rstd).to(x.dtype).to(tl.float32) * w
+    tl.store(out_ptr + row * n + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `common.model.ops.rms_norm`; outputs are new contiguous tensors."""
+    n = x.shape[-1]
+    x3 = _as_3d(x)
+    out = torch.empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
+    res3 = x3 if residual is None else _as_3d(residual)
+    res_out = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else out
+    rows = x3.shape[0] * x3.shape[1]
+    if rows:
+        block = triton.next_power_of_2(n)
+        _rms_norm_kernel[(rows,)](
+            x3, res3, weight, out, res_out,
+            x3.stride(0), x3.stride(1), res3.stride(0), res3.stride(1), x3.shape[1], n, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_row_warps(block),
+        )  # fmt: skip
+    return out if residual is None else (out, res_out)
+
+
+def _as_3d(x: torch.Tensor) -> torch.Tensor:
+    """A `[outer, inner, n]` view (no copy for the usual 2-D and 3-D strided inputs)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() == 3:
+        return x
+    if x.dim() == 2:
+        return x.unsqueeze(1)
+    return x.reshape(-1, 1, x.shape[-1])
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + n + offs, mask=mask, other=0.0)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)  # torch rounds silu(gate) first
+    y = silu.to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + row * n + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`silu(x[..., :n]) * x[..., n:]` for the last dim 2n."""
+    n = x.shape[-1] // 2
+    x2 = x.reshape(-1, x.shape[-1]) if x.stride(-1) == 1 else x.contiguous().view(-1, 2 * n)
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    if x2.shape[0] and n:
+        block = min(1024, triton.next_power_of_2(n))
+        grid = (x2.shape[0], triton.cdiv(n, block))
+        _silu_and_mul_kernel[grid](x2, out, x2.stride(0), n, BLOCK=block, num_warps=4)
+    return out
+
+
+@triton.jit
+def _rotate_heads(base, stride_h, num_heads, cos, sin,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):  # fmt: skip
+    offs_h = tl.arange(0, BLOCK_H)
+    offs = tl.arange(0, BLOCK_HALF)
+    mask = (offs_h < num_heads)[:, None] & (offs < HALF)[None, :]
+    first = base + offs_h[:, None] * stride_h + offs[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(first, (x1 * cos - x2 * sin).to(dtype), mask=mask)
+    tl.store(first + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+
+
+# fmt: off
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, num_q_heads, num_k_heads,
+    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    # fmt: on
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    offs = tl.arange(0, BLOCK_HALF)
+    cos = tl.load(cos_ptr + pos * stride_cos + offs, mask=offs < HALF, other=0.0)[None, :]
+    sin = tl.load(sin_ptr + pos * stride_cos + offs, mask=offs < HALF, other=0.0)[None, :]
+    _rotate_heads(q_ptr + tok * stride_qt, stride_qh, num_q_heads, cos, sin, HALF, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(k_ptr + tok * stride_kt, stride_kh, num_k_heads, cos, sin, HALF, BLOCK_HK, BLOCK_HALF)
+
+
+def apply_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q `[T, H, D]` and k `[T, Hk, D]` in place (neox halves); returns (q, k).
+
+    `cos`/`sin` are fp32 `[max_positions, D // 2]` tables with equal strides.
+    """
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or cos.stride() != sin.stride() or cos.stride(1) != 1:
+        raise ValueError("rotary needs the last dim of q, k, cos and sin contiguous")
+    half = q.shape[-1] // 2
+    if q.shape[0]:
+        _rotary_kernel[(q.shape[0],)](
+            q, k, positions, cos, sin,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), q.shape[1], k.shape[1],
+            HALF=half, BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
+            BLOCK_HK=triton.next_power_of_2(k.shape[1]), BLOCK_HALF=triton.next_power_of_2(half),
+            num_warps=4,
+        )  # fmt: skip
+    return q, k
+
+
+# fmt: off
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch, num_heads,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # fmt: on
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + tok).to(tl.int64)
+    if slot < 0:  # padding token: nothing to write
+        return
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h < num_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    dst = (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_cs
+    dst = dst + offs_h[:, None] * stride_ch + offs_d[None, :]
+    k = tl.load(k_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(v_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter k/v `[T, kv_heads, head_dim]` into the paged caches at `slot_mapping` (`[T]`,
+    `block * page_size + offset`); tokens with a slot < 0 are skipped on the device."""
+    if slot_mapping.shape[0] != k.shape[0] or k.shape != v.shape:
+        raise ValueError(
+            f"write_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(slot_mapping.shape)}"
+        )
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
+        raise ValueError(f"K/V caches need equal strides, got {k_cache.stride()}, {v_cache.stride()}")
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    if k.shape[0] == 0:
+        return
+    num_heads, head_dim = k.shape[1], k.shape[2]
+    _write_kv_kernel[(k.shape[0],)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), num_heads,
+        PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4,
+    )  # fmt: skip

@@ -1,0 +1,85 @@
+"""The model's elementwise ops, one name each: Triton kernels on CUDA, torch everywhere else.
+
+The torch versions are the reference (and what CPU runs, bit for bit what the HF-equality
+tests check). The Triton versions (`common.model.kernels.fused_ops`) are imported on first CUDA use
+only, so importing the model never imports or decorates a kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and _triton_importable()
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim in fp32, scaled by `weight`.
+
+    With `residual`, returns `(norm(x + residual), x + residual)`: the caller carries the
+    un-normalised sum to the next layer, as every pre-norm decoder does.
+    """
+    if _use_triton(x):
+        from common.model.kernels import fused_ops
+
+        return fused_ops.rms_norm(x, weight, eps, residual)
+    if residual is None:
+        return _rms_norm(x, weight, eps)
+    x = x + residual
+    return _rms_norm(x, weight, eps), x
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` where the last dim is `[gate | up]`."""
+    if _use_triton(gate_up):
+        from common.model.kernels import fused_ops
+
+        return fused_ops.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def apply_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary (rotate halves) of q `[T, H, D]` and k `[T, Hk, D]` at `positions`,
+    from fp32 `[max_positions, D // 2]` cos/sin tables. Returns the rotated (q, k).
+
+    The Triton path rotates in place and returns its inputs; the torch path returns new
+    tensors. Callers use the return value and do not reuse the inputs.
+    """
+    if _use_triton(q):
+        from common.model.kernels import fused_ops
+
+        return fused_ops.apply_rotary(q, k, positions, cos, sin)
+    cos = cos[positions].unsqueeze(1)  # [T, 1, D/2]
+    sin = sin[positions].unsqueeze(1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)

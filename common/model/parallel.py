@@ -1,0 +1,101 @@
+"""Which slice of the model each tensor-parallel rank holds (pure Python, no torch).
+
+A node with `tp` ranks splits every layer Megatron-style: q/k/v and gate/up are column-parallel
+(each rank computes its heads and its slice of the MLP's intermediate dimension), o_proj and
+down_proj are row-parallel (partial sums, all-reduced), the embedding and the LM head are
+vocab-parallel (rows of the vocabulary, padded to a multiple of `tp`). KV heads are split like
+the query heads; with fewer KV heads than ranks each KV head is replicated on `tp // kv` ranks,
+so every rank still holds the KV head its query heads read. Rank r's KV pool holds exactly the
+heads of `kv_heads(r)`, which is what KV transfer between different TP sizes maps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from common.model.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"tp must be >= 1, got {self.size}")
+        if self.num_heads % self.size:
+            raise ValueError(f"tp={self.size} does not divide num_heads={self.num_heads}")
+        kv = self.num_kv_heads
+        if kv % self.size and self.size % kv:
+            raise ValueError(
+                f"tp={self.size} neither divides nor is a multiple of num_kv_heads={kv}"
+            )
+        if self.intermediate_size % self.size:
+            raise ValueError(
+                f"tp={self.size} does not divide intermediate_size={self.intermediate_size}"
+            )
+
+    @classmethod
+    def of(cls, spec: ModelSpec, size: int) -> TPLayout:
+        return cls(size, spec.num_heads, spec.num_kv_heads, spec.intermediate_size, spec.vocab_size)
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_heads // self.size
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return max(1, self.num_kv_heads // self.size)
+
+    @property
+    def intermediate_per_rank(self) -> int:
+        return self.intermediate_size // self.size
+
+    @property
+    def vocab_per_rank(self) -> int:
+        """Rows of the embedding and LM head on every rank (the last rank's are padded)."""
+        return -(-self.vocab_size // self.size)
+
+    def q_heads(self, rank: int) -> range:
+        n = self.heads_per_rank
+        return range(rank * n, (rank + 1) * n)
+
+    def kv_heads(self, rank: int) -> range:
+        """The KV heads rank `rank` holds (and its KV pool stores, in this order)."""
+        if self.num_kv_heads >= self.size:
+            n = self.kv_heads_per_rank
+            return range(rank * n, (rank + 1) * n)
+        head = rank * self.num_kv_heads // self.size  # replicated on size // kv ranks
+        return range(head, head + 1)
+
+    def kv_head_owners(self, head: int) -> list[int]:
+        """Every rank whose pool holds KV head `head` (several when replicated)."""
+        return [r for r in range(self.size) if head in self.kv_heads(r)]
+
+    def intermediate(self, rank: int) -> range:
+        n = self.intermediate_per_rank
+        return range(rank * n, (rank + 1) * n)
+
+    def vocab(self, rank: int) -> range:
+        """The vocabulary rows rank `rank` owns (fewer than `vocab_per_rank` on the last)."""
+        n = self.vocab_per_rank
+        return range(min(rank * n, self.vocab_size), min((rank + 1) * n, self.vocab_size))
+
+
+def rank_spec(spec: ModelSpec, layout: TPLayout) -> ModelSpec:
+    """The numbers one rank's layers and KV pool are built from: its heads, KV heads and MLP
+    slice. The vocabulary stays whole (the sampler and token checks see the full vocabulary;
+    the embedding and LM head shard it themselves)."""
+    if layout.size == 1:
+        return spec
+    return dataclasses.replace(
+        spec,
+        num_heads=layout.heads_per_rank,
+        num_kv_heads=layout.kv_heads_per_rank,
+        intermediate_size=layout.intermediate_per_rank,
+    )

@@ -1,0 +1,351 @@
+"""Inter-process control messages: dataclasses, one msgpack codec, validation on receipt.
+
+Every message is a frozen dataclass registered by name; `encode` writes
+`{"type": name, **fields}` with msgpack (never pickle) and `decode` checks the type name and
+every field's type before building the dataclass, so a malformed or hostile frame raises
+`MessageError` instead of reaching node logic. With a cluster secret set, frames are signed
+(`common.protocol.wire_auth`) and an unsigned or forged one is a `MessageError` too.
+
+Integer arrays (prompt token ids, block ids, a step's sampled tokens) are `IntArray` fields:
+1-D little-endian int32 numpy arrays that travel as one msgpack `bin` of their raw bytes.
+Encoding one is a memcpy and checking one on receipt is O(1) Python (its byte length); the
+receiver checks value ranges vectorised where they matter (`Worker.new_sequence`: the
+vocabulary). Received arrays are read-only views of the frame.
+
+Who sends what (see docs/architecture.md for the full lifecycle):
+  router  -> prefill  PrefillRequest, Abort
+  router  -> decode   DecodeRequest, Abort
+  decode  -> prefill  Reservation
+  prefill -> router   FirstToken, RequestError, Heartbeat
+  decode  -> router   TokenBatch, RequestError, Heartbeat
+KV bytes and the transfer-complete notice travel through kv_transfer, not here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NewType
+
+import msgpack
+import numpy as np
+
+from common.protocol.wire_auth import SIGNER, SignatureError
+
+INT_DTYPE = np.dtype("<i4")
+IntArray = NewType("IntArray", np.ndarray)  # 1-D little-endian int32; msgpack bin on the wire
+FINISH_REASONS = frozenset({"stop", "length", "abort", "error"})
+
+
+class MessageError(ValueError):
+    pass
+
+
+def int_array(values: Any) -> np.ndarray:
+    """`values` (ints or an integer array) as a 1-D little-endian int32 array; no copy when it
+    already is one. MessageError for anything else, including values outside int32."""
+    if isinstance(values, np.ndarray) and values.dtype == INT_DTYPE and values.ndim == 1:
+        return values
+    try:
+        array = np.asarray(values)
+        if array.size == 0:
+            return np.zeros(0, dtype=INT_DTYPE)
+        if array.ndim != 1 or array.dtype.kind not in "iu":
+            raise TypeError(f"{array.ndim}-D {array.dtype}")
+        if array.dtype != INT_DTYPE and (array.min() < -(2**31) or array.max() >= 2**31):
+            raise OverflowError("value outside int32")
+        return array.astype(INT_DTYPE, copy=False)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise MessageError(f"not a 1-D array of int32 values: {exc}") from None
+
+
+def _coerce_arrays(message: Any, *names: str) -> None:
+    """Called by __post_init__: lists given by a local sender become IntArrays too, so every
+    reader sees one type whether the message was built here or decoded."""
+    for name in names:
+        object.__setattr__(message, name, int_array(getattr(message, name)))
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    request_id: str
+    prompt_token_ids: IntArray
+    sampling: dict[str, Any]  # SamplingParams fields
+    decode_node: str  # control address of the decode node that reserved / will reserve blocks
+    decode_kv_address: str  # where that decode node receives KV
+    deadline_s: float | None = None  # seconds left at dispatch; the node drops it after that
+
+    def __post_init__(self) -> None:
+        _coerce_arrays(self, "prompt_token_ids")
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    request_id: str
+    prompt_token_ids: IntArray
+    sampling: dict[str, Any]
+    prefill_node: str | None  # control address of the prefill node; None = prefill locally
+    deadline_s: float | None = None  # seconds left at dispatch; the node drops it after that
+
+    def __post_init__(self) -> None:
+        _coerce_arrays(self, "prompt_token_ids")
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+    index: int | None = None  # n > 1: end only this sample (decode node); None: the request
+
+
+@dataclass(frozen=True)
+class Reservation:
+    request_id: str
+    decode_node: str
+    block_ids: IntArray
+
+    def __post_init__(self) -> None:
+        _coerce_arrays(self, "block_ids")
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    request_id: str
+    token_id: int
+    logprob: float | None
+    top_logprobs: list[list[float]] | None  # [[token_id, logprob], ...]
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+    timing: dict[str, float]  # durations in seconds measured by the prefill node
+
+
+@dataclass(slots=True)
+class TokenOutput:
+    """One request's share of a TokenBatch, as the router consumes it (not sent on its own)."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[list[float]]] | None
+    finished: bool
+    finish_reason: str | None
+    timing: dict[str, float] | None  # decode-side durations, sent with the first output
+    index: int = 0  # the sample (choice) of an n > 1 request; `finished` is about this one
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """One decode step's new tokens, column-wise: row i is one token of `request_ids[i]`.
+
+    A request may own several rows (in order). Checking a batch costs O(1) Python for the
+    token ids and one C-speed pass over the ids and finish reasons.
+    """
+
+    request_ids: list[str]
+    token_ids: IntArray
+    finish_reasons: list[str | None]  # None: the request goes on; else one of FINISH_REASONS
+    logprobs: list[float | None] | None = None  # per row; None when no row asked
+    top_logprobs: list[list[list[float]] | None] | None = None  # per row: [[token, logprob]]
+    timing: dict[str, dict[str, float]] = field(default_factory=dict)  # by request id
+    # n > 1: the sample each row belongs to (its finish reason is that sample's); None: all 0
+    indices: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        _coerce_arrays(self, "token_ids")
+        n = len(self.request_ids)
+        lengths = {len(self.token_ids), len(self.finish_reasons)}
+        for column in (self.logprobs, self.top_logprobs, self.indices):
+            if column is not None:
+                lengths.add(len(column))
+        if lengths != {n}:
+            raise MessageError(f"TokenBatch columns differ in length: {n} rows, {lengths}")
+        if not set(self.finish_reasons) <= FINISH_REASONS | {None}:
+            bad = set(self.finish_reasons) - FINISH_REASONS - {None}
+            raise MessageError(f"TokenBatch: unknown finish reasons {sorted(map(str, bad))}")
+
+    def items(self) -> list[TokenOutput]:
+        ids, reasons = self.token_ids.tolist(), self.finish_reasons
+        lps = self.logprobs or [None] * len(ids)
+        tops = self.top_logprobs or [None] * len(ids)
+        indices = self.indices or [0] * len(ids)
+        out, reported = [], set()
+        for i, rid in enumerate(self.request_ids):
+            timing = None
+            if rid not in reported:  # the report goes with the request's first row only
+                reported.add(rid)
+                timing = self.timing.get(rid)
+            out.append(
+                TokenOutput(
+                    rid,
+                    [ids[i]],
+                    None if lps[i] is None else [lps[i]],
+                    None if tops[i] is None else [tops[i]],
+                    reasons[i] is not None,
+                    reasons[i],
+                    timing,
+                    indices[i],
+                )
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class RequestError:
+    request_id: str
+    message: str
+    status: int = 500  # HTTP status the router should answer with
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    node_id: str  # the node's control address
+    role: str  # "prefill" | "decode" | "colocated"
+    info: dict[str, Any]  # static: model name, max_model_len, vocab_size, kv_address, ...
+    load: dict[str, Any] = field(default_factory=dict)  # free blocks, running, queued tokens
+
+
+MESSAGES: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (
+        PrefillRequest,
+        DecodeRequest,
+        Abort,
+        Reservation,
+        FirstToken,
+        TokenBatch,
+        RequestError,
+        Heartbeat,
+    )
+}
+Message = typing.Union[tuple(MESSAGES.values())]  # noqa: UP007
+
+
+def encode(message: Any) -> bytes:
+    """One frame: a map of the message's fields (shallow: no dataclasses.asdict deep copy);
+    IntArrays go as the raw bytes of their int32 buffer."""
+    names = _field_names(type(message))
+    body: dict[str, Any] = {"type": type(message).__name__}
+    for name in names:
+        value = getattr(message, name)
+        body[name] = value.data if isinstance(value, np.ndarray) else value
+    return SIGNER.sign(msgpack.packb(body, use_bin_type=True))
+
+
+def decode(frame: bytes) -> Any:
+    """The message in `frame`; MessageError (never anything else) for a bad signature (see
+    common.protocol.wire_auth), undecodable bytes, an unknown type or a field of the wrong type."""
+    try:
+        frame = SIGNER.verify(frame)
+    except SignatureError as exc:
+        raise MessageError(str(exc)) from None
+    try:
+        raw = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise MessageError(f"undecodable frame: {exc}") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
+        raise MessageError("frame is not a typed message")
+    cls = MESSAGES.get(raw.pop("type"))
+    if cls is None:
+        raise MessageError("unknown message type")
+    return from_fields(cls, raw)
+
+
+def from_fields(cls: type, raw: dict[str, Any]) -> Any:
+    """Build `cls` from a decoded map, checking every field against its type hint; an IntArray
+    field takes a bytes value (its int32 buffer). MessageError for anything else."""
+    checks, required = _checks(cls)
+    unknown = raw.keys() - checks.keys()
+    if unknown:
+        raise MessageError(f"{cls.__name__}: unknown fields {sorted(map(str, unknown))}")
+    missing = required - raw.keys()
+    if missing:
+        raise MessageError(f"{cls.__name__}: missing field {sorted(missing)[0]!r}")
+    for name, value in raw.items():
+        ok, converted = checks[name](value)
+        if not ok:
+            raise MessageError(f"{cls.__name__}.{name}: wrong type {type(value).__name__}")
+        raw[name] = converted
+    try:
+        return cls(**raw)
+    except MessageError as exc:
+        raise MessageError(f"{cls.__name__}: {exc}") from None
+
+
+# -- per-class field checks, built once from the type hints ----------------------------------
+
+Check = Callable[[Any], tuple[bool, Any]]
+_CHECKS: dict[type, tuple[dict[str, Check], frozenset[str]]] = {}
+_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _NAMES.get(cls)
+    if names is None:
+        if MESSAGES.get(cls.__name__) is not cls:
+            raise MessageError(f"not a registered message: {cls.__name__}")
+        names = _NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
+
+
+def _checks(cls: type) -> tuple[dict[str, Check], frozenset[str]]:
+    if cls not in _CHECKS:
+        hints = typing.get_type_hints(cls)
+        fields = dataclasses.fields(cls)
+        required = frozenset(
+            f.name
+            for f in fields
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        )
+        _CHECKS[cls] = ({f.name: _check_for(hints[f.name]) for f in fields}, required)
+    return _CHECKS[cls]
+
+
+def _check_bytes_array(value: Any) -> tuple[bool, Any]:
+    if not isinstance(value, bytes) or len(value) % INT_DTYPE.itemsize:
+        return False, value
+    return True, np.frombuffer(value, dtype=INT_DTYPE)
+
+
+def _check_for(hint: Any) -> Check:
+    if hint is IntArray:
+        return _check_bytes_array
+    test = _predicate(hint)
+    return lambda value: (test(value), value)
+
+
+def _predicate(hint: Any) -> Callable[[Any], bool]:
+    """A fast type test for `hint`, built once per field (typing introspection stays here)."""
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return lambda v: True
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if type(None) in args:
+            rest = _predicate(typing.Union[tuple(a for a in args if a is not type(None))])  # noqa: UP007
+            return lambda v: v is None or rest(v)
+        tests = [_predicate(a) for a in args]
+        return lambda v: any(t(v) for t in tests)
+    if hint is float:
+        return lambda v: (type(v) is float) or (isinstance(v, int) and not isinstance(v, bool))
+    if hint is int:
+        return lambda v: isinstance(v, int) and not isinstance(v, bool)
+    if hint is str:
+        return lambda v: type(v) is str
+    if hint is bool:
+        return lambda v: type(v) is bool
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        test = _predicate(item)
+        return lambda v: type(v) is list and all(map(test, v))
+    if origin is dict:
+        key, val = typing.get_args(hint)
+        test_key, test_val = _predicate(key), _predicate(val)
+        if val is Any:
+            return lambda v: type(v) is dict and all(map(test_key, v))
+        return lambda v: (
+            type(v) is dict and all(map(test_key, v)) and all(map(test_val, v.values()))
+        )
+    return lambda v: isinstance(v, hint)

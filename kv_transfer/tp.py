@@ -1,0 +1,202 @@
+"""KV transfer of tensor-parallel nodes: which rank ships or writes which KV heads.
+
+Prefill node of P ranks: every rank holds the KV heads `layout.kv_heads(rank)`; the first
+owner of each head ships it (`shipping_ranks`: with replicated heads the other copies stay
+home). Each shipping rank has its own sender; its frames carry the heads' range
+(`TransferConfig.head_start`) and its completion notice says how many ranks send
+(`senders`). Rank 0's `TPSender` mirrors every call the node makes to the ranks'
+senders as a command between steps; a step that ships layer by layer runs each rank's
+`send_layer` from the same per-layer hook (step flag `HAS_LAYER_HOOK`).
+
+Decode node of D ranks: rank 0 binds the node's one KV address and receives every frame; its
+`TPPoolWriter` writes the heads its pool holds and hands each frame to the other ranks (one
+command with the payload), which write the heads theirs hold, before the ledger counts the
+frame. The transfer is DONE only when every head of every layer arrived from every sender
+(`ReceiverLedger`), so the decode node never runs on a half-written block, whatever P and D.
+
+cuda_ipc between tensor-parallel nodes (each prefill rank writing straight into the decode
+ranks' pools) is not implemented: nodes of more than one rank refuse it at start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from common.engine.tp_link import HAS_LAYER_HOOK, StepDriver
+from common.model.parallel import TPLayout
+from kv_transfer.base import KVSender, Transfer, TransferConfig
+from kv_transfer.pool_io import PoolWriter, write_heads
+
+if TYPE_CHECKING:
+    from common.engine.worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+def shipping_ranks(layout: TPLayout) -> list[int]:
+    """The ranks that ship KV: the first owner of each KV head."""
+    return sorted({layout.kv_head_owners(h)[0] for h in range(layout.num_kv_heads)})
+
+
+def rank_transfer(config: TransferConfig, layout: TPLayout, rank: int) -> TransferConfig | None:
+    """The sender config of a prefill rank, or None when it ships nothing."""
+    ranks = shipping_ranks(layout)
+    if rank not in ranks:
+        return None
+    head_start = layout.kv_heads(rank).start
+    return dataclasses.replace(config, head_start=head_start, senders=len(ranks))
+
+
+def check_transport(transport: str, tp: int) -> None:
+    if tp > 1 and transport != "zmq":
+        raise ValueError(
+            f"transport {transport!r} with tp={tp}: nodes of several ranks ship KV over zmq"
+        )
+
+
+class TPSender(KVSender):
+    """Rank 0's sender: its own, plus every call mirrored to the other shipping ranks."""
+
+    def __init__(self, local: KVSender, link: StepDriver) -> None:
+        self.local, self.link = local, link
+
+    def begin(self, request_id, dest_address, src_block_ids, dst_block_ids) -> Transfer:
+        self.link.send_command({"op": "begin", "rid": request_id, "dest": dest_address,
+                                "src": list(src_block_ids), "dst": list(dst_block_ids)})  # fmt: skip
+        return self.local.begin(request_id, dest_address, src_block_ids, dst_block_ids)
+
+    def send_layer(self, request_id: str, layer: int) -> None:
+        self.local.send_layer(request_id, layer)  # the ranks' hooks send theirs
+
+    def send_layers(self, request_id: str, layers: range) -> None:
+        self.link.send_command({"op": "send_layers", "rid": request_id})
+        self.local.send_layers(request_id, layers)
+
+    def complete(self, request_id: str, metadata: dict[str, Any]) -> None:
+        self.link.send_command({"op": "complete", "rid": request_id})
+        self.local.complete(request_id, metadata)
+
+    def abort(self, request_id: str, reason: str) -> None:
+        self.link.send_command({"op": "abort", "rid": request_id, "reason": reason})
+        self.local.abort(request_id, reason)
+
+    def decline(self, request_id: str, dest_address: str, reason: str) -> None:
+        self.local.decline(request_id, dest_address, reason)  # zmq: a no-op (check_transport)
+
+    def poll(self) -> list[Transfer]:
+        return self.local.poll()
+
+    def close(self) -> None:
+        self.local.close()
+
+
+class TPPoolWriter(PoolWriter):
+    """Decode rank 0: writes its heads, hands every frame's other heads to the ranks."""
+
+    def __init__(self, pool: torch.Tensor, layout: TPLayout, link: StepDriver) -> None:
+        super().__init__(pool, layout.kv_heads(0))
+        self.layout, self.link = layout, link
+        self._other_heads = frozenset(h for r in range(1, layout.size) for h in layout.kv_heads(r))
+
+    @property
+    def num_heads(self) -> int:
+        return self.layout.num_kv_heads
+
+    def write(self, layer: int, block_ids: list[int], head_start: int, payload: torch.Tensor):
+        write_heads(self.pool, self.heads, layer, block_ids, head_start, payload)
+        frame = range(head_start, head_start + payload.shape[3])
+        if not self._other_heads.isdisjoint(frame):
+            data = payload.to(self.pool.device, copy=True)  # a received buffer is read-only
+            self.link.send_command({"op": "kv", "layer": layer, "blocks": list(block_ids),
+                                    "head_start": head_start, "dtype": str(data.dtype),
+                                    "shape": list(data.shape)}, data)  # fmt: skip
+
+
+class PrefillRank:
+    """A prefill rank > 0: mirrors rank 0's sender calls with its own sender."""
+
+    def __init__(self, sender: KVSender | None, num_layers: int) -> None:
+        self.sender, self.num_layers = sender, num_layers
+        self.fresh: list[str] = []  # begun, layers not sent yet
+
+    def command(self, command: dict[str, Any], payload: torch.Tensor | None) -> None:
+        if self.sender is None:
+            return
+        op, rid = command["op"], command["rid"]
+        try:
+            if op == "begin":
+                self.sender.begin(rid, command["dest"], command["src"], command["dst"])
+                self.fresh.append(rid)
+            elif op == "send_layers":
+                self._forget(rid)
+                self.sender.send_layers(rid, range(self.num_layers))
+            elif op == "complete":
+                self.sender.complete(rid, {})
+                self.sender.flush()  # copies done: rank 0 may reuse the blocks next step
+            elif op == "abort":
+                self._forget(rid)
+                self.sender.abort(rid, command["reason"])
+        except ValueError:  # this rank's transfer failed already: the receiver was told
+            log.exception("KV transfer command %s for %s", op, rid)
+        self.sender.poll()
+
+    def _forget(self, rid: str) -> None:
+        if rid in self.fresh:
+            self.fresh.remove(rid)
+
+    def layer_hook(self, flags: int) -> Callable[[int], None] | None:
+        if self.sender is None or not flags & HAS_LAYER_HOOK:
+            return None
+        shipping, self.fresh = self.fresh, []
+        sender = self.sender
+
+        def hook(layer: int) -> None:
+            for rid in shipping:
+                sender.send_layer(rid, layer)
+
+        return hook
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+
+
+class DecodeRank:
+    """A decode rank > 0: writes the heads its pool holds of every frame rank 0 hands over."""
+
+    def __init__(self, pool: torch.Tensor, heads: range) -> None:
+        self.pool, self.heads = pool, heads
+
+    def command(self, command: dict[str, Any], payload: torch.Tensor | None) -> None:
+        if command["op"] == "kv" and payload is not None:
+            write_heads(self.pool, self.heads, command["layer"], command["blocks"],
+                        command["head_start"], payload)  # fmt: skip
+
+    def layer_hook(self, flags: int) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def prefill_rank_handler(transfer: TransferConfig, worker: Worker) -> PrefillRank:
+    """The handler of a prefill node's rank > 0 (`RankRole.make_handler`, bound to the
+    node's transfer config with `functools.partial`)."""
+    layout, rank = worker.tp.layout(worker.spec), worker.tp.rank
+    from kv_transfer import create_sender
+
+    # Injected failures (tests) are rank 0's: it aborts, and the ranks follow.
+    config = rank_transfer(dataclasses.replace(transfer, fail_rate=0.0), layout, rank)
+    pool = worker.kv_cache.pool
+    sender = create_sender(config, pool) if config is not None else None
+    return PrefillRank(sender, pool.shape[0])
+
+
+def decode_rank_handler(worker: Worker) -> DecodeRank:
+    """The handler of a decode node's rank > 0 (`RankRole.make_handler`)."""
+    return DecodeRank(worker.kv_cache.pool, worker.tp.layout(worker.spec).kv_heads(worker.tp.rank))
