@@ -37,8 +37,8 @@ sys.path.insert(0, str(ROOT))  # run as a script: the repository's packages
 from benchmarks.bench_serving import benchmark  # noqa: E402
 from benchmarks.loadgen.client import Target  # noqa: E402
 from benchmarks.loadgen.runner import RunConfig  # noqa: E402
-from benchmarks.loadgen.workloads import WorkloadConfig, build_workload  # noqa: E402
 from benchmarks.stack import PDStack, same_python_env  # noqa: E402
+from pdserve.workload.datasets import WorkloadConfig, build_workload  # noqa: E402
 
 NODE_REQUESTS = re.compile(
     r'^pdserve:node_requests_total\{[^}]*node="([^"]+)",role="([^"]+)"\} (\S+)$', re.M

@@ -42,8 +42,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: the repository's packages
 
 from benchmarks.loadgen.client import RequestResult, Target, send  # noqa: E402
-from benchmarks.loadgen.workloads import RequestSpec  # noqa: E402
 from benchmarks.stack import PDStack, same_python_env  # noqa: E402
+from pdserve.workload.datasets import RequestSpec  # noqa: E402
 from router.timing import TTFT_PHASES  # noqa: E402
 
 # Prefill on GPU 0, decode on GPU 1 (launch_pd.sh pins with --device cuda:N and leaves every
