@@ -34,7 +34,7 @@ from benchmarks.loadgen.client import ENDPOINTS, RequestResult, Target  # noqa: 
 from benchmarks.loadgen.metrics import SLO, server_phases, summarize  # noqa: E402
 from benchmarks.loadgen.report import plot_run, summary_table, write_json  # noqa: E402
 from benchmarks.loadgen.runner import RunConfig, StopRule, run  # noqa: E402
-from benchmarks.loadgen.workloads import (  # noqa: E402
+from pdserve.workload.datasets import (  # noqa: E402
     DATASETS,
     RequestSpec,
     WorkloadConfig,

@@ -55,6 +55,7 @@ import zmq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: the repository's packages
 
+from benchmarks.outputs import args_record, publish, pyplot  # noqa: E402
 from kv_transfer import TransferConfig, TransferState, create_receiver, create_sender  # noqa: E402
 from kv_transfer.cuda_ipc import CudaIpcSender  # noqa: E402
 
@@ -494,15 +495,12 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print(f"matplotlib is not installed: no plot; later: --replot {path.with_suffix('.json')}")
         return
+    import matplotlib.ticker
+
     fig, ax = plt.subplots(figsize=(9, 5.5))
     for key, side, label, style in SERIES:
         rows = result["runs"].get(key)
@@ -590,7 +588,7 @@ def main() -> None:
     device = "CPU" if src.type == "cpu" else torch.cuda.get_device_name(src)
     print(f"{device}: {src} -> {dst}, {layout}, {layout.block_bytes} bytes/block", flush=True)
     result: dict[str, Any] = {
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": args_record(args),
         "device": f"{device}, {src} -> {dst}",
         "layout": asdict(layout),
         "sizes": [asdict(s) for s in sizes],
@@ -629,10 +627,7 @@ def main() -> None:
                 kind, sizes, src_pool, dst, args, bulk=True
             )[0]
     path = args.out / "transfer.json"
-    path.write_text(json.dumps(result, indent=1))
-    print(f"wrote {path}")
-    plot(result, path.with_suffix(".png"))
-    print_table(result)
+    publish(result, path, plot, print_table)
 
 
 def _blocks(sizes_mb: list[float], layout: Layout) -> list[tuple[float, int]]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from benchmarks.outputs import pyplot
+
 # (what, target) checked in the table; ratios are to floors measured in the same run.
 DECODE_TARGETS = {("greedy", 1): 1.20, ("greedy", 32): 1.15, ("greedy", 128): 1.15,
                   ("mixed", 32): 1.25, ("mixed", 128): 1.25}  # fmt: skip
@@ -90,12 +92,8 @@ def print_table(result: dict) -> None:
 
 
 def plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     rows = [r for r in result.get("decode") or [] if r["ratio_to_floor"] is not None]

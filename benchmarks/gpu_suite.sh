@@ -11,9 +11,8 @@
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 PY=${PYTHON:-python3}
-mkdir -p "$OUT"
-source benchmarks/gpu_env.sh  # PYTHONPATH, carried wheels
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+source benchmarks/gpu_env.sh  # creates $OUT; PYTHONPATH, MODEL, carried wheels
+gpu_info
 $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
 status=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then

@@ -37,8 +37,14 @@ sys.path.insert(0, str(ROOT))  # run as a script: the repository's packages
 from benchmarks.bench_serving import benchmark  # noqa: E402
 from benchmarks.loadgen.client import Target  # noqa: E402
 from benchmarks.loadgen.runner import RunConfig  # noqa: E402
-from benchmarks.loadgen.workloads import WorkloadConfig, build_workload  # noqa: E402
-from benchmarks.stack import PDStack, same_python_env  # noqa: E402
+from benchmarks.outputs import args_record  # noqa: E402
+from benchmarks.stack import (  # noqa: E402
+    PDStack,
+    add_model_args,
+    resolve_load_format,
+    same_python_env,
+)
+from pdserve.workload.datasets import WorkloadConfig, build_workload  # noqa: E402
 
 NODE_REQUESTS = re.compile(
     r'^pdserve:node_requests_total\{[^}]*node="([^"]+)",role="([^"]+)"\} (\S+)$', re.M
@@ -213,19 +219,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prefill-budget", type=int, default=8192, help="prefill token budget")
     ap.add_argument("--decode-max-seqs", type=int, default=64, help="decode batch size")
-    ap.add_argument(
-        "--model",
-        default=str(ROOT / "benchmarks/configs/qwen2.5-7b-instruct"),
-        help="model directory; '' = the embedded SmolLM2",
-    )
-    ap.add_argument("--load-format", default=None, help="default: dummy with --model, auto without")
-    ap.add_argument("--health-timeout", type=int, default=300, help="seconds per stack start")
+    add_model_args(ap, "model directory; '' = the embedded SmolLM2")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cpu", action="store_true", help="no GPU: every process on the CPU")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/multi_instance")
     args = ap.parse_args()
-    if args.load_format is None:
-        args.load_format = "dummy" if args.model else "auto"
+    resolve_load_format(args)
     return args
 
 
@@ -237,7 +236,7 @@ def main() -> None:
             sys.exit(f"layout {prefill}x{decode} needs {prefill + decode} GPUs; {gpus} visible")
     args.out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": args_record(args),
         "gpus": gpus,
         "layouts": [],
     }

@@ -8,9 +8,7 @@
 set -uo pipefail
 OUT=${OUT:-benchmarks/results/pd_decode_probe}
 WORK=$(mktemp -d)
-mkdir -p "$OUT"
-source benchmarks/gpu_env.sh  # PYTHONPATH, carried wheels
-MODEL=${MODEL:-benchmarks/configs/qwen2.5-7b-instruct}
+source benchmarks/gpu_env.sh  # creates $OUT; PYTHONPATH, MODEL, carried wheels
 RATE=${RATE:-3}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 echo "=== decode step at long contexts ($(date +%T))"

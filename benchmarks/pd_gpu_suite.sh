@@ -8,11 +8,10 @@
 set -uo pipefail
 OUT=${OUT:-benchmarks/results/pd_suite}
 WORK=$(mktemp -d)
-mkdir -p "$OUT"
-source benchmarks/gpu_env.sh  # PYTHONPATH, carried wheels
+source benchmarks/gpu_env.sh  # creates $OUT; PYTHONPATH, MODEL, carried wheels
 steps=${*:-tests transfer ttft multi}
 gpus=$(nvidia-smi -L | wc -l)
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | sort | uniq -c
+gpu_info | sort | uniq -c
 nvidia-smi topo -m | head -$((gpus + 1))
 for step in $steps; do
   echo "=== $step ($(date +%T))"

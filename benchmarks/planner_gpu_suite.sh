@@ -17,9 +17,7 @@
 set -uo pipefail
 OUT=${OUT:-benchmarks/results/planner_suite}
 WORK=$(mktemp -d)
-mkdir -p "$OUT"
-source benchmarks/gpu_env.sh  # PYTHONPATH, carried wheels
-MODEL=${MODEL:-benchmarks/configs/qwen2.5-7b-instruct}
+source benchmarks/gpu_env.sh  # creates $OUT; PYTHONPATH, MODEL, carried wheels
 DURATION=${DURATION:-20}
 RATES=${RATES:-0.8 1.0 1.2}
 JOBS=${JOBS:-0}
@@ -28,7 +26,7 @@ JOBS=${JOBS:-0}
 LONG=(--dataset long-prompt --slo ttft:3000 tpot:20)
 CHAT=(--dataset chat --slo ttft:500 tpot:30)
 steps=${*:-profile}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | sort | uniq -c
+gpu_info | sort | uniq -c
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
 plan() {  # plan STEP [pdserve plan args...]

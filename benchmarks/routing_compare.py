@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_serving import benchmark, served_model  # noqa: E402
 from benchmarks.loadgen.client import Target  # noqa: E402
 from benchmarks.loadgen.runner import RunConfig  # noqa: E402
-from benchmarks.loadgen.workloads import WorkloadConfig, build_workload  # noqa: E402
 from benchmarks.stack import PDStack, same_python_env  # noqa: E402
+from pdserve.workload.datasets import WorkloadConfig, build_workload  # noqa: E402
 
 # The embedded model on 2 CPU cores: small prompts, few of them, a slow rate. Each prefill node
 # caches 48 blocks: the 6 prefixes (12 blocks each) fit the pool split in two, not one node.

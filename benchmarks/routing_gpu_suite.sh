@@ -11,9 +11,7 @@
 # node shares GPU 1 with a prefill node).
 set -uo pipefail
 OUT=${OUT:-benchmarks/results/routing_suite}
-mkdir -p "$OUT"
-source benchmarks/gpu_env.sh  # PYTHONPATH, carried wheels
-MODEL=${MODEL:-benchmarks/configs/qwen2.5-7b-instruct}
+source benchmarks/gpu_env.sh  # creates $OUT; PYTHONPATH, MODEL, carried wheels
 PREFILL_BLOCKS=${PREFILL_BLOCKS:-4096}  # 65k tokens: 32 prefixes of 2048 per node
 NUM_GROUPS=${NUM_GROUPS:-48}
 PREFIX_LEN=${PREFIX_LEN:-2048}

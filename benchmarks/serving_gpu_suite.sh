@@ -14,9 +14,7 @@
 set -uo pipefail
 OUT=${OUT:-benchmarks/results/serving_suite}
 WORK=$(mktemp -d)
-mkdir -p "$OUT"
-source benchmarks/gpu_env.sh  # PYTHONPATH, carried wheels
-MODEL=${MODEL:-benchmarks/configs/qwen2.5-7b-instruct}
+source benchmarks/gpu_env.sh  # creates $OUT; PYTHONPATH, MODEL, carried wheels
 LONG_RATES=${LONG_RATES:-1 2 3 4 5 6}
 CHAT_RATES=${CHAT_RATES:-5 10 20 30 40}
 DURATION=${DURATION:-30}
@@ -44,7 +42,7 @@ profile_decode() {  # profile_decode LAYOUT (in the background while its sweep r
   top -H -b -n 1 -p "$pid" | head -40 >"$OUT/top_$1.txt"
 }
 steps=${*:-single}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | sort | uniq -c
+gpu_info | sort | uniq -c
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
 sweep() {  # sweep OUTDIR DATASET "SLO" "STOP_SLO" "RATES" DURATION [sweep_layouts args...]

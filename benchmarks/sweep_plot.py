@@ -6,15 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from benchmarks.outputs import pyplot
+
 
 def plot_sweeps(path: Path, sweeps: list[dict[str, Any]]) -> bool:
     """Write the figure; False (nothing written) when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     config = sweeps[0]["config"]
     slo = {item.split(":")[0]: float(item.split(":")[1]) for item in config["slo"]}

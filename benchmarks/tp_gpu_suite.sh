@@ -11,9 +11,8 @@
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 PY=${PYTHON:-python3}
-mkdir -p "$OUT"
-source benchmarks/gpu_env.sh  # PYTHONPATH, carried wheels
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+source benchmarks/gpu_env.sh  # creates $OUT; PYTHONPATH, MODEL, carried wheels
+gpu_info
 command -v nvidia-smi >/dev/null && nvidia-smi topo -m | head -4
 $PY -c "import torch, torch.distributed as d; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), 'nccl', d.is_nccl_available() and torch.cuda.nccl.version())"
 gpus=$($PY -c "import torch; print(torch.cuda.device_count())")

@@ -42,8 +42,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: the repository's packages
 
 from benchmarks.loadgen.client import RequestResult, Target, send  # noqa: E402
-from benchmarks.loadgen.workloads import RequestSpec  # noqa: E402
-from benchmarks.stack import PDStack, same_python_env  # noqa: E402
+from benchmarks.outputs import args_record, publish, pyplot  # noqa: E402
+from benchmarks.stack import (  # noqa: E402
+    PDStack,
+    add_model_args,
+    resolve_load_format,
+    same_python_env,
+)
+from pdserve.workload.datasets import RequestSpec  # noqa: E402
 from router.timing import TTFT_PHASES  # noqa: E402
 
 # Prefill on GPU 0, decode on GPU 1 (launch_pd.sh pins with --device cuda:N and leaves every
@@ -233,12 +239,8 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print(f"matplotlib is not installed: no plot; later: --replot {path.with_suffix('.json')}")
         return
     setups = [s for s, d in result["setups"].items() if "rows" in d]
@@ -310,19 +312,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048, 8192])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument(
-        "--model",
-        default=str(ROOT / "benchmarks/configs/qwen2.5-7b-instruct"),
-        help="model directory; '' = the embedded SmolLM2 (CPU runs)",
-    )
-    ap.add_argument("--load-format", default=None, help="default: dummy with --model, auto without")
-    ap.add_argument("--health-timeout", type=int, default=300, help="seconds per stack start")
+    add_model_args(ap, "model directory; '' = the embedded SmolLM2 (CPU runs)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/ttft_breakdown")
     ap.add_argument("--replot", type=Path, help="only redraw the plot and table of a JSON result")
     args = ap.parse_args()
-    if args.load_format is None:
-        args.load_format = "dummy" if args.model else "auto"
+    resolve_load_format(args)
     if args.repeats < 1 or min(args.lengths) < 1:
         ap.error("--repeats and every length must be >= 1")
     return args
@@ -339,7 +334,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     name = Path(args.model).name if args.model else "embedded SmolLM2-135M"
     result: dict[str, Any] = {
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": args_record(args),
         "model_label": f"{name} ({args.load_format} weights)",
         "setups": {},
     }
@@ -354,10 +349,7 @@ def main() -> None:
                 result["setups"][setup] = {"error": f"{type(exc).__name__}: {exc}"}
             path.write_text(json.dumps(result, indent=1))  # partial results survive a timeout
     result["summary"] = summary(result)
-    path.write_text(json.dumps(result, indent=1))
-    print(f"wrote {path}")
-    plot(result, path.with_suffix(".png"))
-    print_table(result)
+    publish(result, path, plot, print_table)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ from the config dataclasses), flags and model names validated before anything st
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import re
 import shutil
 import site
 import subprocess
@@ -200,6 +202,45 @@ def test_tensor_parallel_pools_get_one_gpu_per_rank():
 def test_too_few_gpus_for_the_ranks_is_a_clear_error(argv, gpus, needle):
     with pytest.raises(ValueError, match=needle):
         plan(parse(*argv), "/m", "m", gpus)
+
+
+def checkout_imports(path) -> list[str]:
+    """`file:line what` for each import of a checkout-only folder and each use of sys.path."""
+    rel, out = path.relative_to(ROOT), []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        for name in names:
+            top = name.split(".")[0]
+            if top not in PACKAGES and (ROOT / top).is_dir():
+                out.append(f"{rel}:{node.lineno} imports {name}")
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr == "path"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "sys"
+        ):
+            out.append(f"{rel}:{node.lineno} uses sys.path")
+    return out
+
+
+def test_the_packaged_code_imports_nothing_from_the_checkout_and_ships_no_data_files():
+    """A wheel holds PACKAGES and nothing else. `pdserve plan` once imported benchmarks/loadgen
+    after putting the checkout on sys.path: fine in a checkout, an ImportError installed. A
+    non-Python file in a package would be left out of the wheel too (no package-data)."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    include = re.search(r"\[tool\.setuptools\.packages\.find\]\ninclude = \[(.*)\]", pyproject)
+    assert {name.strip(' "*') for name in include.group(1).split(",")} == set(PACKAGES)
+    tracked = subprocess.run(
+        ["git", "ls-files", *PACKAGES], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert "pdserve/planner/main.py" in tracked
+    assert [name for name in tracked if not name.endswith(".py")] == []
+    found = [line for name in tracked for line in checkout_imports(ROOT / name)]
+    assert found == []
 
 
 def test_a_tp_size_the_model_cannot_split_is_one_line_and_exit_code_2(capsys):

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.loadgen.workloads import RequestSpec
+from pdserve.workload.datasets import RequestSpec
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.loadgen.client import RequestResult
+from benchmarks.outputs import pyplot
 
 
 def summary_table(summary: dict[str, Any], phases: dict[str, Any] | None = None) -> str:
@@ -59,12 +60,8 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
 
 def plot_run(path: Path, results: list[RequestResult], title: str) -> bool:
     """Write the run's PNG; False (and nothing written) when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     done = [r for r in results if r.success]
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))

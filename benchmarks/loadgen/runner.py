@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import math
 import multiprocessing as mp
-import random
 import sys
 import threading
 import time
@@ -32,8 +31,9 @@ from queue import Empty
 import httpx
 
 from benchmarks.loadgen.client import RequestResult, Target, send
-from benchmarks.loadgen.metrics import SLO
-from benchmarks.loadgen.workloads import RequestSpec
+from pdserve.workload.arrivals import arrival_offsets
+from pdserve.workload.datasets import RequestSpec
+from pdserve.workload.slo import SLO
 
 START_DELAY_S = 0.5  # client processes start, then all begin at one shared moment
 KEEP_ALIVE_S = 2.0  # idle client connections close after this (see _send_all)
@@ -80,20 +80,6 @@ class RunResult:
     results: list[RequestResult]
     duration_s: float  # first scheduled send -> last request ended
     stopped_early: bool
-
-
-def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
-    """Send times in seconds from the start: 0 for the first request, then gamma gaps."""
-    if math.isinf(rate):
-        return [0.0] * n
-    rng = random.Random(seed)
-    theta = 1.0 / (rate * burstiness)
-    out, t = [], 0.0
-    for i in range(n):
-        if i:
-            t += rng.gammavariate(burstiness, theta)
-        out.append(t)
-    return out
 
 
 class _Shared:

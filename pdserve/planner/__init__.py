@@ -11,16 +11,8 @@ The steps, one module each, with typed dataclasses between them:
    meeting the SLO) or its attainment at a given rate.
 5. `report` prints the ranked table and the `pdserve serve` command of the best candidate.
 6. `validate` launches the top candidates through `scripts/launch_pd.sh` and measures them with
-   the serving benchmark (`benchmarks/sweep_layouts.py`), predicted against measured.
+   the serving benchmark (`benchmarks/sweep_layouts.py` of a checkout, run as its own
+   process), predicted against measured.
+The workload, its arrivals and the SLO are the serving benchmark's, from `pdserve.workload`.
 `main` wires them to the `plan` subcommand.
 """
-
-import sys
-from pathlib import Path
-
-# The planner reuses the serving benchmark's workloads, metrics and launcher (`benchmarks/`),
-# which is not an installed package: from a checkout (or an editable install), put the
-# repository on the path. An install without it fails on first use with an ImportError.
-_ROOT = Path(__file__).resolve().parents[2]
-if (_ROOT / "benchmarks" / "loadgen").is_dir() and str(_ROOT) not in sys.path:
-    sys.path.append(str(_ROOT))

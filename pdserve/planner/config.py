@@ -88,11 +88,16 @@ class PlanConfig:
     )
     validate_warmup: int = _f(8, "warm-up requests per launched layout, not measured")
     validate_out: str = _f("benchmarks/results/plan_validate", "where --validate writes its sweeps")
+    validate_checkout: str | None = _f(
+        None,
+        "pdserve checkout whose benchmarks/sweep_layouts.py measures --validate's candidates "
+        "(default: the one this package runs from, else the working directory)",
+    )
     out: str | None = _f(None, "write every prediction (and validation) as JSON here")
 
     def __post_init__(self) -> None:
-        from benchmarks.loadgen.metrics import SLO  # the repository's benchmarks (see __init__)
-        from benchmarks.loadgen.workloads import DATASETS
+        from pdserve.workload.datasets import DATASETS
+        from pdserve.workload.slo import SLO
 
         if self.dataset not in DATASETS:
             raise ValueError(f"unknown dataset {self.dataset!r}; known: {', '.join(DATASETS)}")

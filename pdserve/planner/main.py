@@ -42,6 +42,10 @@ def main(args: argparse.Namespace) -> int:
     from pdserve.plan import pool_options
 
     config = plan_config_from_args(args)
+    if config.validate:
+        from pdserve.planner.validate import sweep_script
+
+        sweep_script(config.validate_checkout)  # no checkout: fail before profiling
     setup = _setup(args, pool_options(args))
     profiles = {tp: _profile(config, setup, tp) for tp in config.tp_sizes}
     problem = _problem(config, setup, profiles)
@@ -140,8 +144,8 @@ def _profile(config: PlanConfig, setup: Setup, tp: int) -> Profile:
 
 
 def _problem(config: PlanConfig, setup: Setup, profiles: dict[int, Profile]) -> Problem:
-    from benchmarks.loadgen.metrics import SLO
     from pdserve.planner.workload import sim_requests
+    from pdserve.workload.slo import SLO
 
     decode = setup.options["decode"]
     kv_blocks = None

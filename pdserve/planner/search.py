@@ -17,10 +17,10 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 
-from benchmarks.loadgen.metrics import SLO, percentile
 from pdserve.planner.layout import Knobs, Layout, candidate_layouts
 from pdserve.planner.profile import Profile
 from pdserve.planner.simulator import PoolSetup, SimConfig, SimRequest, SimResult, simulate
+from pdserve.workload.slo import SLO, percentile
 
 SCAN = 1.5  # rate scan factor; then BISECT halvings of the bracket
 BISECT = 6

@@ -1,21 +1,27 @@
 """`--validate K`: launch each of the top K candidates through `scripts/launch_pd.sh` and
-measure it with the serving benchmark's sweep (`benchmarks/sweep_layouts.py` `run_layout`:
-rising Poisson rates, the same workload, seed and SLO the planner simulated), then set the
-measured goodput, TTFT p90 and TPOT p90 beside the predicted ones."""
+measure it with the serving benchmark's sweep (`benchmarks/sweep_layouts.py`: rising Poisson
+rates, the same workload, seed and SLO the planner simulated), then set the measured goodput,
+TTFT p90 and TPOT p90 beside the predicted ones.
+
+The benchmark and the launch script belong to a pdserve checkout, not to the installed
+package: the sweep runs as its own process (`python benchmarks/sweep_layouts.py ...`, with this
+interpreter), and its command line and `sweep.json` are the whole interface between the two."""
 
 from __future__ import annotations
 
+import json
 import shlex
+import subprocess
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import sweep_layouts
-from benchmarks.loadgen.report import write_json
-from benchmarks.stack import same_python_env
 from pdserve.planner.config import PlanConfig
 from pdserve.planner.search import Prediction
+
+SWEEP_SCRIPT = Path("benchmarks") / "sweep_layouts.py"
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,21 @@ class Measured:
     launch_args: list[str]
 
 
+def sweep_script(checkout: str | None) -> Path:
+    """The serving benchmark's sweep: in `checkout` when given, else in the checkout this
+    package was imported from (a source tree or an editable install), else in the working
+    directory. ValueError when none has it (an installed package without a checkout)."""
+    roots = [Path(checkout)] if checkout else [Path(__file__).resolve().parents[2], Path.cwd()]
+    for root in roots:
+        if (root / SWEEP_SCRIPT).is_file():
+            return (root / SWEEP_SCRIPT).resolve()
+    where = " or ".join(str(root) for root in roots)
+    raise ValueError(
+        f"--validate measures with a pdserve checkout's serving benchmark ({SWEEP_SCRIPT} and "
+        f"scripts/launch_pd.sh), and {where} has none: give --validate-checkout DIR"
+    )
+
+
 def measure(
     predictions: Sequence[Prediction],
     config: PlanConfig,
@@ -37,27 +58,28 @@ def measure(
     transport: str,
 ) -> list[Measured]:
     """`launch_flags[i]`: the knob and user flags of `predictions[i]` (layout flags come from
-    sweep_layouts' own Layout)."""
-    out_dir = Path(config.validate_out)
+    sweep_layouts' own Layout). Each sweep's record is kept as `<layout>.json` in
+    `config.validate_out`, beside its stack's log."""
+    script = sweep_script(config.validate_checkout)
+    out_dir = Path(config.validate_out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = same_python_env(out_dir / "shim_venv")
-    done: list[dict[str, Any]] = []
     results = []
     for prediction, flags in zip(predictions, launch_flags, strict=True):
-        args = _sweep_args(prediction, config, model, flags, gpu, transport, out_dir)
-        path = out_dir / f"{prediction.layout.name}.json"
-        config_record = {**vars(args), "out": str(args.out), "layouts": prediction.layout.name}
-
-        def save(path: Path = path, record: dict[str, Any] = config_record) -> None:
-            write_json(path, {"config": record, "layouts": done[-1:]})
-
-        layout = sweep_layouts.Layout.parse(prediction.layout.name)
-        sweep_layouts.run_layout(layout, args, env, done, save)
-        results.append(_measured(prediction, done[-1], config))
+        argv = _sweep_args(prediction, config, model, flags, gpu, transport, out_dir)
+        name = prediction.layout.name
+        done = subprocess.run([sys.executable, str(script), *argv], check=False)
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"{script} exited with {done.returncode} measuring {name}; see {out_dir}"
+            )
+        path = out_dir / f"{name}.json"
+        (out_dir / "sweep.json").replace(path)
+        record = json.loads(path.read_text())["layouts"][-1]
+        results.append(_measured(prediction, record, config))
     return results
 
 
-def _sweep_args(prediction, config, model, flags, gpu, transport, out_dir):
+def _sweep_args(prediction, config, model, flags, gpu, transport, out_dir) -> list[str]:
     devices = prediction.layout.devices
     if config.rate is not None:
         per_device = [config.rate / devices]
@@ -80,7 +102,7 @@ def _sweep_args(prediction, config, model, flags, gpu, transport, out_dir):
                         ("--input-len", config.input_len), ("--output-len", config.output_len)):  # fmt: skip
         if value:
             argv += [name, value]
-    return sweep_layouts.build_parser().parse_args(argv)
+    return argv
 
 
 def _measured(prediction: Prediction, record: dict[str, Any], config: PlanConfig) -> Measured:

@@ -1,5 +1,5 @@
 """The serving benchmark's workload as the simulator's requests: the same specs
-(`benchmarks/loadgen/workloads.py`) and the same arrival schedule (`arrival_offsets`, gamma
+(`pdserve.workload.datasets`) and the same arrival schedule (`arrival_offsets`, gamma
 gaps from the seed) that `bench_serving.py` and `sweep_layouts.py` send, at 1 request/s (the
 search rescales it)."""
 
@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.loadgen.runner import arrival_offsets
-from benchmarks.loadgen.workloads import RequestSpec, WorkloadConfig, build_workload
 from pdserve.planner.config import PlanConfig
 from pdserve.planner.simulator import SimRequest
+from pdserve.workload.arrivals import arrival_offsets
+from pdserve.workload.datasets import RequestSpec, WorkloadConfig, build_workload
 
 WORDS_TO_TOKENS = 1.3  # a text prompt's length when the model ships no tokenizer
 
