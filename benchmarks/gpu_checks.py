@@ -15,24 +15,23 @@ import torch
 from common import LLM
 from common.engine.scheduler import ScheduledBatch, ScheduledSeq
 from common.engine.sequence import Sequence
-from common.model.llama import STACKED_PARAMS
 from common.protocol.sampling_params import SamplingParams
 
 
 def hf_state_dict(model) -> dict[str, torch.Tensor]:
-    """Our fused parameters split back into HF's q/k/v and gate/up tensors."""
+    """Our fused parameters split back into HF's q/k/v and gate/up tensors (one rank: every
+    shard is whole)."""
     out = {}
     for name, param in model.named_parameters():
-        fused = [(part, shard) for f, part, shard in STACKED_PARAMS if f".{f}." in name]
-        if not fused:
+        module, kind = name.rsplit(".", 1)
+        parts = model.packed_modules.get(module.rsplit(".", 1)[-1])
+        if parts is None:
             out[name] = param
             continue
-        module = model.get_submodule(name.rsplit(".", 2)[0])
-        sizes = module.shard_sizes()
-        for part, shard in fused:
-            fused_name = next(f for f, p, _ in STACKED_PARAMS if p == part)
-            start = sum(sizes[:shard])
-            out[name.replace(f".{fused_name}.", f".{part}.")] = param.narrow(0, start, sizes[shard])
+        sizes = model.get_submodule(module).output_sizes
+        parent = module.rsplit(".", 1)[0]
+        for part, tensor in zip(parts, param.split(sizes), strict=True):
+            out[f"{parent}.{part}.{kind}"] = tensor
     if model.spec.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     return out

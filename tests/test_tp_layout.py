@@ -1,13 +1,11 @@
-"""Which slice each tensor-parallel rank holds (`common.model.parallel`, `common.model.sharding`): pure
-arithmetic and tensor slicing, no processes."""
+"""Which slice each tensor-parallel rank holds (`common.model.parallel`): pure arithmetic, no
+processes. The layers that cut those slices out of checkpoint tensors: tests/test_linear_layers.py."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from common.model.parallel import TPLayout, rank_spec
-from common.model.sharding import Sharder, unfuse
 from common.model.spec import ModelSpec, RopeSpec
 
 SPEC = ModelSpec(
@@ -49,26 +47,3 @@ def test_rank_spec_holds_one_ranks_heads_and_mlp_slice_and_the_whole_vocabulary(
     assert (spec.num_heads, spec.num_kv_heads, spec.intermediate_size) == (1, 1, 32)
     assert spec.vocab_size == 387 and spec.head_dim == 16
     assert rank_spec(SPEC, TPLayout.of(SPEC, 1)) is SPEC
-
-
-@pytest.mark.parametrize("tp", [2, 4])
-def test_rank_slices_reassemble_the_full_tensors(tp):
-    layout = TPLayout.of(SPEC, tp)
-    shards = [Sharder(SPEC, layout, r) for r in range(tp)]
-    g = torch.Generator().manual_seed(0)
-    qkv = torch.randn(SPEC.q_size + 2 * SPEC.kv_size, 64, generator=g)
-    parts = dict(unfuse("model.layers.0.self_attn.qkv_proj.weight", qkv, SPEC))
-    q = parts["model.layers.0.self_attn.q_proj.weight"]
-    k = parts["model.layers.0.self_attn.k_proj.weight"]
-    assert torch.equal(torch.cat([s("x.q_proj.weight", q) for s in shards]), q)
-    # k: each rank holds the rows of its KV head (replicated ranks hold the same rows)
-    for r, s in enumerate(shards):
-        heads = layout.kv_heads(r)
-        assert torch.equal(s("x.k_proj.weight", k), k[heads.start * 16 : heads.stop * 16])
-    down = torch.randn(64, 128, generator=g)
-    assert torch.equal(torch.cat([s("x.down_proj.weight", down) for s in shards], dim=1), down)
-    embed = torch.randn(387, 64, generator=g)
-    rows = torch.cat([s("model.embed_tokens.weight", embed) for s in shards])
-    assert torch.equal(rows[:387], embed) and not rows[387:].any()  # zero padding rows
-    norm = torch.randn(64, generator=g)
-    assert all(s("model.norm.weight", norm) is norm for s in shards)

@@ -31,7 +31,7 @@ import torch
 
 from common.engine.kv_cache import KVCache
 from common.model.attention import AttentionBackend, AttentionMetadata, ForwardContext
-from common.model.llama import LlamaForCausalLM
+from common.model.registry import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class Replay:
 class DecodeGraphs:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         backend: AttentionBackend,
         kv_cache: KVCache,
         max_num_seqs: int,

@@ -9,12 +9,12 @@ from common.engine.model_runner import ModelRunner
 from common.engine.scheduler import ScheduledBatch, ScheduledSeq
 from common.engine.sequence import Sequence
 from common.model.attention import AttentionBackend
-from common.model.llama import LlamaForCausalLM
+from common.model.registry import CausalLM
 from common.protocol.sampling_params import SamplingParams
 
 
 def step_peak_bytes(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     backend: AttentionBackend,
     block_size: int,
     prompt_lengths: list[int],

@@ -30,7 +30,7 @@ from common.engine.sampler import SampledRows, Sampler, SamplingInputs, Sampling
 from common.engine.scheduler import SampledToken, ScheduledBatch
 from common.engine.sequence import PLACEHOLDER
 from common.model.attention import AttentionBackend, AttentionMetadata, ForwardContext
-from common.model.llama import LlamaForCausalLM
+from common.model.registry import CausalLM
 
 if TYPE_CHECKING:
     from common.engine.tp_link import StepDriver
@@ -123,7 +123,7 @@ class StepHandle:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_cache: KVCache,
         backend: AttentionBackend,
         device: torch.device,

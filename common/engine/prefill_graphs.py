@@ -30,7 +30,7 @@ import torch
 from common.engine.cuda_graphs import STAGING_DEPTH, Replay, StagingRing
 from common.engine.kv_cache import KVCache
 from common.model.attention import AttentionBackend, AttentionMetadata, ForwardContext
-from common.model.llama import LlamaForCausalLM
+from common.model.registry import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def token_buckets(max_tokens: int) -> list[int]:
 class PrefillGraphs:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         backend: AttentionBackend,
         kv_cache: KVCache,
         max_tokens: int,

@@ -1,18 +1,19 @@
 """One compact implementation of the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2).
 
 Variants differ only by flags in `ModelSpec`: QKV bias (Qwen2), per-head q/k RMSNorm (Qwen3),
-llama3 rope scaling, tied embeddings. Q/K/V and gate/up are fused into single matmuls; the
-loader splices the checkpoint's separate tensors into them (`STACKED_PARAMS`).
+llama3 rope scaling, tied embeddings. Q/K/V and gate/up are fused into single matmuls
+(`PACKED_MODULES` says which checkpoint tensors each stacks).
 The model sees attention only through `ForwardContext`; it never imports a backend.
 
-Tensor parallelism (`common.model.parallel`): the model is built from one rank's `ModelSpec`
-(`rank_spec`: its heads, KV heads and MLP slice) and a `TPGroup`. o_proj and down_proj are
-row-parallel and all-reduce their partial sums; the embedding and the LM head are
-vocab-parallel (`VocabParallelEmbedding`, `ParallelLMHead`). With one rank the collectives are
+Tensor parallelism (`common.model.parallel`): the model is built from the full `ModelSpec` and
+a `TPGroup`; its layers hold this rank's slice (`common.model.layers.linear`, `.vocab`) and
+cut it out of the full checkpoint tensors themselves. With one rank the collectives are
 no-ops and the model is the plain one.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -20,40 +21,43 @@ from torch import nn
 from common.model.attention.base import ForwardContext
 from common.model.distributed import TPGroup
 from common.model.layers.basic import RMSNorm, RotaryEmbedding, silu_and_mul
+from common.model.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from common.model.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from common.model.layers.weights import default_weight_loader
+from common.model.parallel import rank_spec
+from common.model.quantization import LinearMethod
 from common.model.spec import ModelSpec
 
-# (our fused parameter, checkpoint parameter, shard index within the fused one)
-STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
-    ("qkv_proj", "q_proj", 0),
-    ("qkv_proj", "k_proj", 1),
-    ("qkv_proj", "v_proj", 2),
-    ("gate_up_proj", "gate_proj", 0),
-    ("gate_up_proj", "up_proj", 1),
-)
+# our fused module -> the checkpoint modules stacked in it, in shard order
+PACKED_MODULES: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer: int, tp: TPGroup) -> None:
+    def __init__(
+        self, spec: ModelSpec, layer: int, tp: TPGroup, method: LinearMethod | None
+    ) -> None:
         super().__init__()
-        self.layer, self.tp = layer, tp
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            spec.num_heads,
-            spec.num_kv_heads,
-            spec.head_dim,
+        layout = tp.layout(spec)
+        self.layer = layer
+        self.num_heads, self.num_kv_heads = layout.heads_per_rank, layout.kv_heads_per_rank
+        self.head_dim = spec.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            spec.hidden_size, spec.head_dim, layout, tp, spec.qkv_bias, method
         )
-        self.q_size, self.kv_size = spec.q_size, spec.kv_size
-        self.qkv_proj = nn.Linear(
-            spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(spec.q_size, spec.hidden_size, tp, method=method)
         self.qk_norm = spec.qk_norm
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
-
-    def shard_sizes(self) -> list[int]:
-        return [self.q_size, self.kv_size, self.kv_size]
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
@@ -66,29 +70,29 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         out = ctx.attention(self.layer, q, k, v)
-        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
+        return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: TPGroup) -> None:
+    def __init__(self, spec: ModelSpec, tp: TPGroup, method: LinearMethod | None) -> None:
         super().__init__()
-        self.tp = tp
-        self.intermediate_size = spec.intermediate_size
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
-
-    def shard_sizes(self) -> list[int]:
-        return [self.intermediate_size, self.intermediate_size]
+        size = spec.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            spec.hidden_size, [size, size], tp, method=method
+        )
+        self.down_proj = RowParallelLinear(size, spec.hidden_size, tp, method=method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer: int, tp: TPGroup) -> None:
+    def __init__(
+        self, spec: ModelSpec, layer: int, tp: TPGroup, method: LinearMethod | None
+    ) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, layer, tp)
-        self.mlp = MLP(spec, tp)
+        self.self_attn = Attention(spec, layer, tp, method)
+        self.mlp = MLP(spec, tp, method)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -104,10 +108,14 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: ModelSpec, max_positions: int, tp: TPGroup) -> None:
+    def __init__(
+        self, spec: ModelSpec, max_positions: int, tp: TPGroup, method: LinearMethod | None
+    ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, tp) for i in range(spec.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(tp.layout(spec), spec.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, i, tp, method) for i in range(spec.num_layers)
+        )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope)
 
@@ -123,14 +131,25 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """`forward` returns final hidden states for every token; `compute_logits` projects rows.
 
-    `spec` is this rank's (`common.model.parallel.rank_spec`); `tp` the node's ranks (default: one)."""
+    Built from the full `spec` for rank `tp.rank` (default: one rank); `self.spec` is the
+    rank's (`rank_spec`: its heads, KV heads and MLP slice), which the KV pool is sized by.
+    `linear_method` computes every linear layer but the LM head (default: unquantized)."""
 
-    def __init__(self, spec: ModelSpec, max_positions: int, tp: TPGroup | None = None) -> None:
+    packed_modules = PACKED_MODULES
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        max_positions: int,
+        tp: TPGroup | None = None,
+        linear_method: LinearMethod | None = None,
+    ) -> None:
         super().__init__()
-        self.spec = spec
         self.tp = tp = tp or TPGroup.single()
-        self.model = LlamaModel(spec, max_positions, tp)
-        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp)
+        layout = tp.layout(spec)
+        self.spec = rank_spec(spec, layout)
+        self.model = LlamaModel(spec, max_positions, tp, linear_method)
+        self.lm_head = ParallelLMHead(layout, spec.hidden_size, tp)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -142,3 +161,37 @@ class LlamaForCausalLM(nn.Module):
         given: captured graphs of every size share one output buffer. Every rank calls it:
         with several ranks each projects its vocabulary rows and the logits are gathered."""
         return self.lm_head.compute_logits(hidden, out)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Full tensors, in checkpoint names (`...q_proj.weight`) or ours (a whole fused
+        `...qkv_proj.weight`), each through its parameter's `weight_loader`. A name with no
+        parameter, a wrong shape, or a parameter left unloaded is a ValueError."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue  # inv_freq buffers some checkpoints carry; ours is computed
+            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                continue
+            target, shard_id = self._packed_target(name)
+            if target not in params:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no place in {self.spec.architecture}"
+                )
+            param = params[target]
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                loader(param, tensor, shard_id)
+            except ValueError as e:
+                raise ValueError(f"tensor {name!r} {e}") from e
+            loaded.add(target)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors: {missing[:8]}")
+
+    def _packed_target(self, name: str) -> tuple[str, int | None]:
+        for fused, parts in self.packed_modules.items():
+            for shard_id, part in enumerate(parts):
+                if f".{part}." in name:
+                    return name.replace(f".{part}.", f".{fused}."), shard_id
+        return name, None

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from common.model.distributed import TPGroup
-from common.model.llama import STACKED_PARAMS, LlamaForCausalLM
-from common.model.parallel import TPLayout, rank_spec
-from common.model.sharding import Sharder, dummy_full_tensors
+from common.model.layers.linear import process_weights_after_loading
+from common.model.quantization import linear_method_for
+from common.model.registry import CausalLM, model_class
 from common.model.source import ModelSource
 from common.model.spec import ModelSpec
 
@@ -35,30 +35,30 @@ def build_model(
     load_format: str = "auto",
     seed: int = 0,
     tp: TPGroup | None = None,
-) -> LlamaForCausalLM:
-    """The model of `spec` (the full model's) for rank `tp.rank` of `tp.size`: built from the
-    rank's spec, its weights cut from the full checkpoint (or full dummy tensors)."""
+) -> CausalLM:
+    """The model of `spec` (the full model's) for rank `tp.rank` of `tp.size`, its layers
+    cutting their slices out of the full checkpoint tensors (or full dummy tensors)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     tp = tp or TPGroup.single()
-    layout = TPLayout.of(spec, tp.size)
+    cls = model_class(spec.architecture)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(rank_spec(spec, layout), max_positions, tp)
+            model = cls(spec, max_positions, tp, linear_method_for(spec))
     finally:
         torch.set_default_dtype(previous)
     if torch.device(device).type == "meta":
         return model.eval()  # shapes only, no memory: for sizing a model (parameter counts)
-    shard = Sharder(spec, layout, tp.rank)
     with torch.no_grad():
         if load_format == "dummy" and tp.size == 1:
             fill_dummy_weights(model, seed)
         elif load_format == "dummy":
-            load_weights(model, dummy_full_tensors(spec, max_positions, seed, dtype, device), shard)
+            model.load_weights(dummy_full_tensors(cls, spec, max_positions, seed, dtype, device))
         else:
-            load_weights(model, iter_safetensors(source.directory), shard)
+            model.load_weights(iter_safetensors(source.directory))
+        process_weights_after_loading(model)
     return model.eval()
 
 
@@ -107,63 +107,34 @@ class _Progress:
             )
 
 
-def load_weights(
-    model: LlamaForCausalLM,
-    weights: Iterator[tuple[str, torch.Tensor]],
-    shard: Sharder | None = None,
-) -> None:
-    """Copy checkpoint tensors into our parameters, splicing q/k/v and gate/up into fused ones;
-    `shard` cuts this rank's slice out of each full tensor first."""
-    params = dict(model.named_parameters())
-    loaded: set[str] = set()
-    for name, tensor in weights:
-        if "rotary_emb" in name:
-            continue
-        if name == "lm_head.weight" and model.spec.tie_word_embeddings:
-            continue
-        target, part = _fused_target(name)
-        if target not in params:
-            raise ValueError(
-                f"checkpoint tensor {name!r} has no place in {model.spec.architecture}"
-            )
-        param = params[target]
-        if shard is not None:
-            tensor = shard(name, tensor)
-        if part is None:
-            _copy(param, tensor, name)
-        else:
-            module = model.get_submodule(target.rsplit(".", 2)[0])
-            sizes = module.shard_sizes()
-            start = sum(sizes[:part])
-            _copy(param.narrow(0, start, sizes[part]), tensor, name)
-        loaded.add(target)
-    missing = {n for n in params if n not in loaded}
-    if model.spec.tie_word_embeddings:
-        missing.discard("lm_head.weight")
-    if missing:
-        raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
-
-
-def _fused_target(name: str) -> tuple[str, int | None]:
-    for fused, part, shard in STACKED_PARAMS:
-        if f".{part}." in name:
-            return name.replace(f".{part}.", f".{fused}."), shard
-    return name, None
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(
-            f"tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
-        )
-    dst.copy_(src)
-
-
-def fill_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
+def fill_dummy_weights(model: CausalLM, seed: int) -> None:
     """Random weights of realistic scale: N(0, 0.02) matrices, norms near 1, on the model's device."""
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
-        if "norm" in name:
-            param.uniform_(0.9, 1.1, generator=generator)
-        else:
-            param.normal_(0.0, 0.02, generator=generator)
+        _draw(name, param, generator)
+
+
+def dummy_full_tensors(
+    cls: type[CausalLM],
+    spec: ModelSpec,
+    max_positions: int,
+    seed: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights `fill_dummy_weights` gives a single-rank model of `spec`, one full tensor
+    at a time in our names (fused ones whole): the same draws, so TP n equals TP 1."""
+    with torch.device("meta"):
+        full = cls(spec, max_positions)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, meta in full.named_parameters():
+        tensor = torch.empty(meta.shape, dtype=dtype, device=device)
+        _draw(name, tensor, generator)
+        yield name, tensor
+
+
+def _draw(name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+    if "norm" in name:
+        tensor.uniform_(0.9, 1.1, generator=generator)
+    else:
+        tensor.normal_(0.0, 0.02, generator=generator)

@@ -59,6 +59,39 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
+class DecodeOrPrefillBackend:
+    """A backend with one kernel path per batch kind: it writes the new k/v into the cache,
+    then runs `decode` on a decode-only batch (one query row per sequence; rows past the
+    batch's sequences are padding) and `prefill` on any other. Both return [T, heads, d]
+    with padding rows zeroed."""
+
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        self.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        if metadata.is_decode_only:
+            return self.decode(q, k_cache, v_cache, metadata, scale)
+        return self.prefill(q, k_cache, v_cache, metadata, scale)
+
+    def write_kv(self, k, v, k_cache, v_cache, slots: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def decode(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
+        raise NotImplementedError
+
+    def prefill(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
+        raise NotImplementedError
+
+
 class ForwardContext:
     """Binds one step's metadata and the KV cache to a backend for the model's layers.
 

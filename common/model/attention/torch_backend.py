@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.model.attention.base import AttentionMetadata
+from common.model.attention.base import AttentionMetadata, DecodeOrPrefillBackend
 
 
 def write_kv(
@@ -34,25 +34,12 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
     return rows.reshape(-1, *cache.shape[2:])[:length]
 
 
-class TorchAttentionBackend:
+class TorchAttentionBackend(DecodeOrPrefillBackend):
     name = "torch"
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        if metadata.is_decode_only:
-            return self._decode(q, k_cache, v_cache, metadata, scale)
-        return self._prefill(q, k_cache, v_cache, metadata, scale)
+    write_kv = staticmethod(write_kv)
 
-    def _decode(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
+    def decode(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
         num_seqs = metadata.num_seqs
         block_size = k_cache.shape[1]
         max_blocks = (metadata.max_seq_len + block_size - 1) // block_size
@@ -73,7 +60,7 @@ class TorchAttentionBackend:
         result[:num_seqs] = out.squeeze(2).to(q.dtype)
         return result
 
-    def _prefill(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
+    def prefill(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
         out = torch.empty_like(q)
         start = 0
         for i, (q_len, ctx_len) in enumerate(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from common.model.attention.base import AttentionMetadata
+from common.model.attention.base import AttentionMetadata, DecodeOrPrefillBackend
 from common.model.kernels.fused_ops import write_kv
 from common.model.kernels.paged_attention import (
     DecodeScratch,
@@ -22,7 +22,7 @@ from common.model.kernels.paged_attention import (
 )
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(DecodeOrPrefillBackend):
     name = "triton"
 
     def __init__(self) -> None:
@@ -30,22 +30,9 @@ class TritonAttentionBackend:
         # backend's lifetime because captured graphs keep pointers into it.
         self._scratch: dict[tuple[int, int, int, int, torch.device], DecodeScratch] = {}
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        if metadata.is_decode_only:
-            return self._decode(q, k_cache, v_cache, metadata, scale)
-        return self._prefill(q, k_cache, v_cache, metadata, scale)
+    write_kv = staticmethod(write_kv)
 
-    def _decode(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
+    def decode(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_seqs = min(q.shape[0], metadata.seq_lens.shape[0])
         if num_seqs < q.shape[0]:  # query rows without a sequence
@@ -69,7 +56,7 @@ class TritonAttentionBackend:
         )
         return out
 
-    def _prefill(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
+    def prefill(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_tokens = sum(metadata.query_lens_cpu)
         if num_tokens < q.shape[0]:  # padding tokens after the last sequence

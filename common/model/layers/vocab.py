@@ -12,21 +12,35 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.model.distributed import TPGroup
+from common.model.layers.weights import copy_checked
+from common.model.parallel import TPLayout
 
 
-def _vocab_rows(vocab_size: int, tp: TPGroup) -> tuple[int, int]:
-    """(first row, rows per rank) of this rank's vocabulary shard."""
-    per = -(-vocab_size // tp.size)
-    return tp.rank * per, per
+class VocabParallel(nn.Module):
+    """This rank's `layout.vocab_per_rank` rows of a [vocab, hidden] table."""
 
-
-class VocabParallelEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup) -> None:
+    def __init__(self, layout: TPLayout, hidden_size: int, tp: TPGroup) -> None:
         super().__init__()
-        self.tp, self.vocab_size = tp, vocab_size
-        self.start, rows = _vocab_rows(vocab_size, tp)
-        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+        self.tp, self.vocab_size = tp, layout.vocab_size
+        self.rows = layout.vocab(tp.rank)
+        self.start = tp.rank * layout.vocab_per_rank  # = rows.start unless all padding
+        self.weight = nn.Parameter(torch.empty(layout.vocab_per_rank, hidden_size))
+        self.weight.weight_loader = self.weight_loader
 
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None
+    ) -> None:
+        """This rank's rows of the full table; padding rows are zeros."""
+        if shard_id is not None:
+            raise ValueError(f"is not fused, got shard {shard_id}")
+        if loaded.shape[0] != self.vocab_size:
+            raise ValueError(f"has {loaded.shape[0]} rows, expected {self.vocab_size}")
+        n = len(self.rows)
+        copy_checked(param.data[:n], loaded[self.rows.start : self.rows.stop])
+        param.data[n:].zero_()
+
+
+class VocabParallelEmbedding(VocabParallel):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)
@@ -39,13 +53,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class ParallelLMHead(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup) -> None:
-        super().__init__()
-        self.tp, self.vocab_size = tp, vocab_size
-        _, rows = _vocab_rows(vocab_size, tp)
-        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
-
+class ParallelLMHead(VocabParallel):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """float32 [rows, vocab_size] logits on every rank, into `out` when given."""
         if self.tp.size == 1:

@@ -1,0 +1,61 @@
+"""Model classes by the HF `architectures` name a config.json states, and the interface the
+engine runs a model through (`CausalLM`), so nothing outside this package names a class."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+import torch
+
+from common.model.attention.base import ForwardContext
+from common.model.distributed import TPGroup
+from common.model.layers.vocab import ParallelLMHead
+from common.model.llama import LlamaForCausalLM
+from common.model.quantization import LinearMethod
+from common.model.spec import ModelSpec
+
+
+class CausalLM(Protocol):
+    """What the engine needs of a model (an `nn.Module`); see `LlamaForCausalLM`."""
+
+    spec: ModelSpec  # this rank's
+    lm_head: ParallelLMHead  # plain (never quantized): its weight's dtype is the model's
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        max_positions: int,
+        tp: TPGroup | None = None,
+        linear_method: LinearMethod | None = None,
+    ) -> None: ...
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor: ...
+
+    def compute_logits(
+        self, hidden: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def parameters(self) -> Iterable[torch.nn.Parameter]: ...
+
+
+MODELS: dict[str, type[CausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def model_class(architecture: str) -> type[CausalLM]:
+    try:
+        return MODELS[architecture]
+    except KeyError:
+        raise ValueError(
+            f"no model class for architecture {architecture!r}; "
+            f"registered: {', '.join(sorted(MODELS))}"
+        ) from None
