@@ -43,7 +43,6 @@ from kv_transfer.ipc_handles import (
     Hello,
     IpcUnavailable,
     NoExport,
-    PoolExport,
     Reset,
     Start,
     encode_message,
@@ -82,13 +81,17 @@ class CudaIpcReceiver(KVReceiver):
         self.address = self._frames.address
         self._grace_s = cancel_grace_s
         self._session = secrets.token_hex(8)
-        try:  # once: the pool never moves
-            self._export: PoolExport | NoExport = export_pool(pool, self._session)
-        except IpcUnavailable as exc:
-            self._export = NoExport(self._session, host_id(), str(exc))
+        self._export = self._export_pool(pool)  # once: the pool never moves
         self._peers: OrderedDict[bytes, None] = OrderedDict()  # said hello, newest last
         self._writers: dict[str, _Writer] = {}  # from each active request's "start"
         self._cancelling: dict[str, str] = {}  # request -> the error it will be reported with
+
+    def _export_pool(self, pool: torch.Tensor) -> Any:
+        """The answer to every "hello": how a sender may write `pool` itself, or why not."""
+        try:
+            return export_pool(pool, self._session)
+        except IpcUnavailable as exc:
+            return NoExport(self._session, host_id(), str(exc))
 
     def expect(self, request_id: str, block_ids: list[int]) -> Transfer:
         return self._ledger.expect(request_id, block_ids)

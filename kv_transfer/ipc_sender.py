@@ -263,42 +263,50 @@ class CudaIpcSender(KVSender):
             dest = self._destinations[address] = _Destination(address, sock)
         return dest
 
+    # What a subclass with another direct path (nixl) replaces: the handshake replies it
+    # understands, how it opens the path a reply offers, and how it names that path in logs.
+    EXPORTS: tuple[type, ...] = (PoolExport, NoExport)
+    TRANSPORT, DIRECT_PATH = "cuda_ipc", "CUDA IPC"
+
+    def _open(self, reply: Any) -> tuple[DirectWriter | None, str]:
+        """The direct path a handshake reply offers, or None and why there is none."""
+        if isinstance(reply, NoExport):
+            return None, reply.reason
+        try:
+            remote = open_pool(reply, self._pool)
+        except IpcUnavailable as exc:
+            return None, str(exc)
+        assert self._side is not None  # open_pool refuses a pool that is not on a GPU
+        return DirectWriter(self._pool, remote, self._side), ""
+
     def _handshake(self, dest: _Destination) -> None:
         reply = None
         if self._send(dest.address, [encode_message(Hello(host_id(), os.getpid()))]):
             reply = self._await_export(dest)
-        dest.writer, dest.session, reason = None, "", ""
         if reply is None:
+            dest.writer, dest.session = None, ""
             reason = f"no answer to the handshake within {HANDSHAKE_TIMEOUT_S} s"
-        elif isinstance(reply, NoExport):
-            dest.session, reason = reply.session, reply.reason
         else:
             dest.session = reply.session
-            try:
-                remote = open_pool(reply, self._pool)
-            except IpcUnavailable as exc:
-                reason = str(exc)
-            else:
-                assert self._side is not None  # open_pool refuses a pool that is not on a GPU
-                dest.writer = DirectWriter(self._pool, remote, self._side)
+            dest.writer, reason = self._open(reply)
         if dest.writer is None:
             dest.route = Route(direct=False, reason=reason, device="")
             log.warning(
-                "cuda_ipc: KV to %s goes as frames through host memory, not CUDA IPC: %s",
-                dest.address,
-                reason,
-            )
+                "%s: KV to %s goes as frames through host memory, not %s: %s",
+                self.TRANSPORT, dest.address, self.DIRECT_PATH, reason,
+            )  # fmt: skip
         else:
             dest.route = Route(direct=True, reason="", device=str(dest.writer.holder))
-            log.info("cuda_ipc: KV to %s is written straight into its pool", dest.address)
+            log.info("%s: KV to %s is written straight into its pool", self.TRANSPORT, dest.address)
 
-    def _await_export(self, dest: _Destination) -> PoolExport | NoExport | None:
+    def _await_export(self, dest: _Destination) -> Any:
+        """The receiver's answer to "hello" (one of EXPORTS), None if none came in time."""
         until = time.monotonic() + HANDSHAKE_TIMEOUT_S
         while (left := until - time.monotonic()) > 0:
             if not dest.socket.poll(math.ceil(left * 1000)):
                 return None
             message = self._receive(dest)
-            if isinstance(message, (PoolExport, NoExport)):
+            if isinstance(message, self.EXPORTS):
                 return message
             if isinstance(message, Cancel):
                 self._on_notice(dest, message)
