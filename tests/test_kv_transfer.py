@@ -455,6 +455,49 @@ def payload(n_blocks: int, extra: int = 0) -> bytes:
     return bytes(2 * n_blocks * BLOCK_SIZE * HEADS * HEAD_DIM * 4 + extra)
 
 
+def bad_frames() -> dict[str, tuple[list[int], list[bytes], str]]:
+    """request -> (its reservation, a message that must fail it, the error it gets), for a
+    receiver of the frames wire; the reservations take blocks 0-7."""
+    early_complete = {"kind": "complete", "request_id": "early-complete", "metadata": {}}
+    return {
+        "garbage-header": (
+            [0],
+            [msgpack.packb({"request_id": "garbage-header", "kind": 3})],
+            "unknown header kind",
+        ),
+        "wrong-ids": ([1, 2], [layer_header("wrong-ids", 0, [1, 9]), payload(2)], "block ids"),
+        "wrong-size": ([3], [layer_header("wrong-size", 0, [3]), payload(1, 4)], "516 bytes"),
+        "wrong-dtype": (
+            [4],
+            [layer_header("wrong-dtype", 0, [4], dtype="int8"), payload(1)],
+            "dtype",
+        ),
+        "no-payload": ([5], [layer_header("no-payload", 0, [5])], "1 parts, not 2"),
+        "bad-layer": ([6], [layer_header("bad-layer", NUM_LAYERS, [6]), payload(1)], "outside"),
+        "early-complete": ([7], [msgpack.packb(early_complete)], "incomplete"),
+    }
+
+
+def assert_a_good_transfer_still_lands(
+    sender: KVSender,
+    receiver: KVReceiver,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    before: torch.Tensor,
+) -> None:
+    """After the hostile messages: block 11 gets exactly its KV, no other block changed, and the
+    bystander (expected, never sent) is still pending."""
+    receiver.expect("good", [11])
+    sender.begin("good", receiver.address, [2], [11])
+    send_all(sender, "good", {"ok": True})
+    done = poll_until_terminal(receiver, {"good"})
+    assert set(done) == {"good"}, "the bystander must stay pending"
+    assert done["good"].state is TransferState.DONE and done["good"].metadata == {"ok": True}
+    assert torch.equal(blocks(dst, [11]), blocks(src, [2]))
+    untouched = [b for b in range(NUM_BLOCKS) if b != 11]
+    assert torch.equal(blocks(dst, untouched), blocks(before, untouched))
+
+
 def test_malformed_frames_fail_only_their_transfer_and_the_receiver_keeps_working():
     config = TransferConfig()
     src, dst = make_pool(torch.float32, 1), make_pool(torch.float32, 2)
@@ -463,28 +506,13 @@ def test_malformed_frames_fail_only_their_transfer_and_the_receiver_keeps_workin
     with ZmqReceiver(dst, config, "tcp://127.0.0.1:0") as receiver:
         raw = ctx.socket(zmq.PUSH)
         raw.connect(receiver.address)
-        early_complete = {"kind": "complete", "request_id": "early-complete", "metadata": {}}
-        bad = {  # request -> (its reservation, a message that must fail it, the error it gets)
-            "garbage-header": (
-                [0],
-                [msgpack.packb({"request_id": "garbage-header", "kind": 3})],
-                "unknown header kind",
-            ),
-            "wrong-ids": ([1, 2], [layer_header("wrong-ids", 0, [1, 9]), payload(2)], "block ids"),
-            "wrong-size": ([3], [layer_header("wrong-size", 0, [3]), payload(1, 4)], "516 bytes"),
+        bad = {
+            **bad_frames(),
             "wrong-shape": (
-                [4],
-                [layer_header("wrong-shape", 0, [4], shape=[2, 1]), payload(1)],
+                [8],
+                [layer_header("wrong-shape", 0, [8], shape=[2, 1]), payload(1)],
                 "shape",
             ),
-            "wrong-dtype": (
-                [5],
-                [layer_header("wrong-dtype", 0, [5], dtype="int8"), payload(1)],
-                "dtype",
-            ),
-            "no-payload": ([6], [layer_header("no-payload", 0, [6])], "1 parts, not 2"),
-            "bad-layer": ([7], [layer_header("bad-layer", NUM_LAYERS, [7]), payload(1)], "outside"),
-            "early-complete": ([8], [msgpack.packb(early_complete)], "incomplete"),
         }
         for rid, (block_ids, _, _) in bad.items():
             receiver.expect(rid, block_ids)
@@ -502,15 +530,7 @@ def test_malformed_frames_fail_only_their_transfer_and_the_receiver_keeps_workin
             assert error in failed[rid].error, (rid, failed[rid].error)
 
         with ZmqSender(src, config) as sender:
-            receiver.expect("good", [11])
-            sender.begin("good", receiver.address, [2], [11])
-            send_all(sender, "good", {"ok": True})
-            done = poll_until_terminal(receiver, {"good"})
-        assert set(done) == {"good"}, "the bystander must stay pending"
-        assert done["good"].state is TransferState.DONE and done["good"].metadata == {"ok": True}
-        assert torch.equal(blocks(dst, [11]), blocks(src, [2]))
-        untouched = [b for b in range(NUM_BLOCKS) if b != 11]
-        assert torch.equal(blocks(dst, untouched), blocks(before, untouched))
+            assert_a_good_transfer_still_lands(sender, receiver, src, dst, before)
         raw.close(linger=0)
     ctx.term()
 

@@ -19,9 +19,10 @@ import zmq
 from test_kv_transfer import (  # tests/ is on sys.path under pytest
     MAPPINGS,
     MAX_WAIT_S,
-    NUM_BLOCKS,
     NUM_LAYERS,
     SHAPE,
+    assert_a_good_transfer_still_lands,
+    bad_frames,
     blocks,
     handshake,
     layer_header,
@@ -325,23 +326,8 @@ def test_malformed_messages_fail_only_their_transfer_and_the_receiver_keeps_work
     ctx = zmq.Context()
     raw = ctx.socket(zmq.DEALER)
     raw.connect(receiver.address)
-    early_complete = {"kind": "complete", "request_id": "early-complete", "metadata": {}}
-    bad = {  # request -> (its reservation, a message that must fail it, the error it gets)
-        "garbage-header": (
-            [0],
-            [msgpack.packb({"request_id": "garbage-header", "kind": 3})],
-            "unknown header kind",
-        ),
-        "wrong-ids": ([1, 2], [layer_header("wrong-ids", 0, [1, 9]), payload(2)], "block ids"),
-        "wrong-size": ([3], [layer_header("wrong-size", 0, [3]), payload(1, 4)], "516 bytes"),
-        "wrong-dtype": (
-            [4],
-            [layer_header("wrong-dtype", 0, [4], dtype="int8"), payload(1)],
-            "dtype",
-        ),
-        "no-payload": ([5], [layer_header("no-payload", 0, [5])], "1 parts, not 2"),
-        "bad-layer": ([6], [layer_header("bad-layer", NUM_LAYERS, [6]), payload(1)], "outside"),
-        "early-complete": ([7], [msgpack.packb(early_complete)], "incomplete"),
+    bad = {
+        **bad_frames(),
         "extra-part": ([8], [encode_message(Cancel("extra-part")), b"?"], "2 parts, not 1"),
     }
     for rid, (block_ids, _, _) in bad.items():
@@ -370,15 +356,7 @@ def test_malformed_messages_fail_only_their_transfer_and_the_receiver_keeps_work
     assert "malformed frame" in failed["unannounced"].error
     assert time.monotonic() - t0 >= 0.3
 
-    receiver.expect("good", [11])
-    sender.begin("good", receiver.address, [2], [11])
-    send_all(sender, "good", {"ok": True})
-    done = poll_until_terminal(receiver, {"good"})
-    assert set(done) == {"good"}, "the bystander must stay pending"
-    assert done["good"].state is TransferState.DONE and done["good"].metadata == {"ok": True}
-    assert torch.equal(blocks(dst, [11]), blocks(src, [2]))
-    untouched = [b for b in range(NUM_BLOCKS) if b != 11]
-    assert torch.equal(blocks(dst, untouched), blocks(before, untouched))
+    assert_a_good_transfer_still_lands(sender, receiver, src, dst, before)
     raw.close(linger=0)
     ctx.term()
 
