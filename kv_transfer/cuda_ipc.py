@@ -25,7 +25,6 @@ of requests it has not begun, and fails their begin() at once, so no write start
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 import time
 from collections import OrderedDict
@@ -36,30 +35,23 @@ import torch
 import zmq
 
 from kv_transfer.base import KVReceiver, Transfer, TransferConfig
-from kv_transfer.frames import (
-    AbortHeader,
-    CompleteHeader,
-    FrameError,
-    LayerHeader,
-)
+from kv_transfer.frames import AbortHeader, CompleteHeader, LayerHeader
+from kv_transfer.frames_receiver import FrameReceiver
 from kv_transfer.ipc_handles import (
+    ALL_KINDS,
     Cancel,
     Hello,
     IpcUnavailable,
     NoExport,
-    PoolExport,
     Reset,
     Start,
-    decode_message,
     encode_message,
     export_pool,
     forget_export,
     host_id,
 )
 from kv_transfer.ipc_sender import CudaIpcSender, Route
-from kv_transfer.ledger import DEADLINE_EXCEEDED, ReceiverLedger
-from kv_transfer.pool_io import PoolWriter, write_layer_frame
-from kv_transfer.zmq_transport import MAX_MESSAGES_PER_POLL, RECV_HWM
+from kv_transfer.ledger import DEADLINE_EXCEEDED
 
 __all__ = ["CANCEL_GRACE_S", "CANCELLED", "CudaIpcReceiver", "CudaIpcSender", "Route"]
 
@@ -84,47 +76,28 @@ class CudaIpcReceiver(KVReceiver):
         bind_address: str,
         cancel_grace_s: float = CANCEL_GRACE_S,
     ) -> None:
-        self._pool = pool
-        self._writer = PoolWriter(pool)  # the frames fallback writes through it
-        self._ledger = ReceiverLedger(
-            config, num_layers=pool.shape[0], num_blocks=pool.shape[2], num_heads=pool.shape[4]
-        )
+        self._frames = FrameReceiver(pool, config, bind_address, zmq.ROUTER)
+        self._ledger = self._frames.ledger
+        self.address = self._frames.address
         self._grace_s = cancel_grace_s
         self._session = secrets.token_hex(8)
-        try:  # once: the pool never moves
-            self._export: PoolExport | NoExport = export_pool(pool, self._session)
-        except IpcUnavailable as exc:
-            self._export = NoExport(self._session, host_id(), str(exc))
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.RCVHWM, RECV_HWM)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        try:
-            self._sock.bind(bind_address)  # "tcp://127.0.0.1:0" picks a free port
-        except zmq.ZMQError as exc:
-            self._sock.close()
-            self._ctx.term()
-            forget_export(self._session)
-            raise ValueError(f"cannot bind KV receiver to {bind_address!r}: {exc}") from None
-        self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._export = self._export_pool(pool)  # once: the pool never moves
         self._peers: OrderedDict[bytes, None] = OrderedDict()  # said hello, newest last
         self._writers: dict[str, _Writer] = {}  # from each active request's "start"
         self._cancelling: dict[str, str] = {}  # request -> the error it will be reported with
-        self._closed = False
+
+    def _export_pool(self, pool: torch.Tensor) -> Any:
+        """The answer to every "hello": how a sender may write `pool` itself, or why not."""
+        try:
+            return export_pool(pool, self._session)
+        except IpcUnavailable as exc:
+            return NoExport(self._session, host_id(), str(exc))
 
     def expect(self, request_id: str, block_ids: list[int]) -> Transfer:
         return self._ledger.expect(request_id, block_ids)
 
     def poll(self, timeout_s: float = 0.0) -> list[Transfer]:
-        self._receive_available()
-        self._expire()
-        table = self._ledger.table
-        wait = table.wait_time(timeout_s)  # bounded by deadlines (and cancel grace periods)
-        if wait is not None:
-            if self._sock.poll(math.ceil(wait * 1000)):
-                self._receive_available()
-            self._expire()
-        finished = table.drain()
+        finished = self._frames.poll(timeout_s, self._handle, self._expire)
         for transfer in finished:
             self._writers.pop(transfer.request_id, None)
             self._cancelling.pop(transfer.request_id, None)
@@ -140,12 +113,8 @@ class CudaIpcReceiver(KVReceiver):
         return False
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
         forget_export(self._session)
-        self._sock.close(linger=0)
-        self._ctx.term()
+        self._frames.close()
 
     # -- ending a transfer from this side ------------------------------------------------------
     def _stop(self, request_id: str, error: str) -> bool:
@@ -187,32 +156,14 @@ class CudaIpcReceiver(KVReceiver):
         return error is not None
 
     # -- messages ------------------------------------------------------------------------------
-    def _receive_available(self) -> None:
-        for _ in range(MAX_MESSAGES_PER_POLL):
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            if len(frames) >= 2:  # the ROUTER puts the sender's identity first
-                self._handle(frames[0].bytes, frames[1:])
-
-    def _handle(self, identity: bytes, frames: list[zmq.Frame]) -> None:
-        """Act on one message; a bad one fails its transfer (if it names one) or is dropped."""
-        try:
-            message = decode_message(frames[0].bytes)
-        except FrameError as exc:
-            if exc.request_id is not None:
-                self._fail(exc.request_id, f"malformed frame: {exc}")
-            else:
-                self._ledger.malformed_frames += 1
-                log.debug("dropped malformed KV message: %s", exc)
+    def _handle(self, routed: list[zmq.Frame]) -> None:
+        if len(routed) < 2:  # the ROUTER puts the sender's identity first
             return
-        parts = 2 if isinstance(message, LayerHeader) else 1
-        if len(frames) != parts:
-            request_id = getattr(message, "request_id", None)
-            if request_id is not None:
-                self._fail(request_id, f"message has {len(frames)} parts, not {parts}")
-        elif isinstance(message, Hello):
+        identity, frames = routed[0].bytes, routed[1:]
+        message = self._frames.decode(frames, self._fail, ALL_KINDS)
+        if message is None:
+            return
+        if isinstance(message, Hello):
             self._peers[identity] = None
             self._peers.move_to_end(identity)
             while len(self._peers) > MAX_PEERS:
@@ -224,7 +175,7 @@ class CudaIpcReceiver(KVReceiver):
             if self._ledger.table.get(message.request_id) is not None:
                 self._writers.setdefault(message.request_id, _Writer(identity, direct=False))
             if message.request_id not in self._cancelling:
-                self._write_layer(message, frames[1].buffer)
+                self._frames.write_layer(message, frames)
         elif isinstance(message, CompleteHeader):
             writer = self._writers.get(message.request_id)
             if self._confirmed(message.request_id):
@@ -256,11 +207,8 @@ class CudaIpcReceiver(KVReceiver):
         else:
             self._ledger.started(request_id)
 
-    def _write_layer(self, header: LayerHeader, buffer: memoryview) -> None:
-        write_layer_frame(self._writer, self._ledger, header, buffer)
-
     def _send(self, identity: bytes, message: Any) -> None:
         try:
-            self._sock.send_multipart([identity, encode_message(message)], flags=zmq.NOBLOCK)
+            self._frames.sock.send_multipart([identity, encode_message(message)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # a peer that went away or stopped reading
             log.debug("could not send %s to a KV sender: %s", type(message).__name__, exc)

@@ -18,7 +18,7 @@ import logging
 import math
 import os
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,9 @@ import torch
 import zmq
 
 from kv_transfer.base import KVSender, Transfer, TransferConfig, TransferState
-from kv_transfer.frames import AbortHeader, CompleteHeader, FrameError, LayerHeader, encode_header
+from kv_transfer.frames import AbortHeader, CompleteHeader, FrameError, encode_header
+from kv_transfer.frames_receiver import MAX_MESSAGES_PER_POLL
+from kv_transfer.frames_sender import FrameSender, connect
 from kv_transfer.ipc_handles import (
     Cancel,
     Hello,
@@ -42,8 +44,6 @@ from kv_transfer.ipc_handles import (
 )
 from kv_transfer.ipc_writer import DirectWriter
 from kv_transfer.ledger import DEADLINE_EXCEEDED, INJECTED_FAILURE, Outgoing, SenderLedger
-from kv_transfer.pool_io import HostStager, as_bytes
-from kv_transfer.zmq_transport import MAX_MESSAGES_PER_POLL, SEND_HWM
 
 log = logging.getLogger(__name__)
 
@@ -79,25 +79,16 @@ class _DirectJob:
     completion: bytes | None = None  # the encoded "complete", sent once last_write completed
 
 
-@dataclass
-class _Queued:  # frames mode, as in zmq_transport
-    entry: Outgoing
-    frames: list[Any]
-    ready: torch.cuda.Event | None  # the device-to-host copy the payload waits for
-    completes: bool
-
-
 class CudaIpcSender(KVSender):
     def __init__(self, pool: torch.Tensor, config: TransferConfig) -> None:
         self._pool = pool
         self._ledger = SenderLedger(config, num_layers=pool.shape[0], num_blocks=pool.shape[2])
-        self._stager = HostStager(pool.device)
         self._linger_ms = round(config.close_linger_s * 1000)
         self._side = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
         self._ctx = zmq.Context()
         self._destinations: dict[str, _Destination] = {}
         self._jobs: dict[str, _DirectJob] = {}
-        self._queue: deque[_Queued] = deque()
+        self._frames = FrameSender(pool, self._ledger, config, self._socket)
         self._cancelled: OrderedDict[tuple[str, str], None] = OrderedDict()  # (address, id)
         self._closed = False
 
@@ -175,13 +166,7 @@ class CudaIpcSender(KVSender):
                 self._fail(entry, f"CUDA IPC write failed: {exc}")
                 return
         else:
-            for layer in layers:
-                payload, ready = self._stager.stage(self._pool, layer, entry.transfer.block_ids)
-                header = LayerHeader(
-                    request_id, layer, entry.dst_block_ids, str(payload.dtype), list(payload.shape)
-                )
-                frames = [encode_header(header), as_bytes(payload)]
-                self._queue.append(_Queued(entry, frames, ready, completes=False))
+            self._frames.queue_layers(entry, layers)
         for layer in layers:
             self._ledger.layer_sent(entry, layer)
         self._progress()
@@ -192,12 +177,11 @@ class CudaIpcSender(KVSender):
         if entry is None:
             return
         self._ledger.check_complete(entry)
-        frame = encode_header(CompleteHeader(request_id, metadata))
         job = self._jobs.get(request_id)
         if job is not None:
-            job.completion = frame
+            job.completion = encode_header(CompleteHeader(request_id, metadata))
         else:
-            self._queue.append(_Queued(entry, [frame], None, completes=True))
+            self._frames.queue_complete(entry, metadata)
         self._progress()
 
     def abort(self, request_id: str, reason: str) -> None:
@@ -229,8 +213,7 @@ class CudaIpcSender(KVSender):
             if job.last_write is not None:
                 job.last_write.synchronize()
         self._jobs.clear()
-        self._queue.clear()
-        self._stager.synchronize()
+        self._frames.close()
         for dest in self._destinations.values():
             dest.socket.close(linger=self._linger_ms)  # frames mode: as zmq_transport
         self._destinations.clear()  # drops the opened remote pools
@@ -239,16 +222,7 @@ class CudaIpcSender(KVSender):
     # -- progress and failure -------------------------------------------------------------------
     def _progress(self) -> None:
         """Send what became ready: queued frames in order, then finished direct transfers."""
-        while self._queue:
-            head = self._queue[0]
-            if head.ready is not None and not head.ready.query():
-                break
-            self._queue.popleft()
-            address = head.entry.dest_address
-            if not self._send(address, head.frames):
-                self._fail(head.entry, f"send queue to {address} is full")
-            elif head.completes:
-                self._ledger.table.finish(head.entry.transfer.request_id, TransferState.DONE)
+        self._frames.flush()
         for request_id, job in list(self._jobs.items()):
             if job.completion is None:
                 continue
@@ -266,20 +240,10 @@ class CudaIpcSender(KVSender):
     def _fail(self, entry: Outgoing, reason: str, answered: bool = False) -> None:
         """FAILED here, abort there (`answered`: by the node's abort()), after the copies still
         touching the request's blocks."""
-        request_id = entry.transfer.request_id
-        job = self._jobs.pop(request_id, None)
+        job = self._jobs.pop(entry.transfer.request_id, None)
         if job is not None and job.last_write is not None:
             job.last_write.synchronize()
-        kept: deque[_Queued] = deque()
-        for queued in self._queue:
-            if queued.entry is not entry:
-                kept.append(queued)
-            elif queued.ready is not None:
-                queued.ready.synchronize()
-        self._queue = kept
-        self._ledger.table.finish(request_id, TransferState.FAILED, reason)
-        abort = AbortHeader(request_id, reason, answered)
-        self._send(entry.dest_address, [encode_header(abort)])
+        self._frames.fail(entry, reason, answered)
 
     # -- sockets, handshake, notices ------------------------------------------------------------
     def _destination(self, address: str) -> _Destination | None:
@@ -292,54 +256,57 @@ class CudaIpcSender(KVSender):
     def _connected(self, address: str) -> _Destination | None:
         dest = self._destinations.get(address)
         if dest is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-            sock.setsockopt(zmq.LINGER, 0)
-            try:
-                sock.connect(address)
-            except zmq.ZMQError as exc:
-                log.warning("cannot connect to KV receiver %r: %s", address, exc)
-                sock.close(linger=0)
+            sock = connect(self._ctx, zmq.DEALER, address)
+            if sock is None:
                 return None
+            sock.setsockopt(zmq.LINGER, 0)
             dest = self._destinations[address] = _Destination(address, sock)
         return dest
+
+    # What a subclass with another direct path (nixl) replaces: the handshake replies it
+    # understands, how it opens the path a reply offers, and how it names that path in logs.
+    EXPORTS: tuple[type, ...] = (PoolExport, NoExport)
+    TRANSPORT, DIRECT_PATH = "cuda_ipc", "CUDA IPC"
+
+    def _open(self, reply: Any) -> tuple[DirectWriter | None, str]:
+        """The direct path a handshake reply offers, or None and why there is none."""
+        if isinstance(reply, NoExport):
+            return None, reply.reason
+        try:
+            remote = open_pool(reply, self._pool)
+        except IpcUnavailable as exc:
+            return None, str(exc)
+        assert self._side is not None  # open_pool refuses a pool that is not on a GPU
+        return DirectWriter(self._pool, remote, self._side), ""
 
     def _handshake(self, dest: _Destination) -> None:
         reply = None
         if self._send(dest.address, [encode_message(Hello(host_id(), os.getpid()))]):
             reply = self._await_export(dest)
-        dest.writer, dest.session, reason = None, "", ""
         if reply is None:
+            dest.writer, dest.session = None, ""
             reason = f"no answer to the handshake within {HANDSHAKE_TIMEOUT_S} s"
-        elif isinstance(reply, NoExport):
-            dest.session, reason = reply.session, reply.reason
         else:
             dest.session = reply.session
-            try:
-                remote = open_pool(reply, self._pool)
-            except IpcUnavailable as exc:
-                reason = str(exc)
-            else:
-                assert self._side is not None  # open_pool refuses a pool that is not on a GPU
-                dest.writer = DirectWriter(self._pool, remote, self._side)
+            dest.writer, reason = self._open(reply)
         if dest.writer is None:
             dest.route = Route(direct=False, reason=reason, device="")
             log.warning(
-                "cuda_ipc: KV to %s goes as frames through host memory, not CUDA IPC: %s",
-                dest.address,
-                reason,
-            )
+                "%s: KV to %s goes as frames through host memory, not %s: %s",
+                self.TRANSPORT, dest.address, self.DIRECT_PATH, reason,
+            )  # fmt: skip
         else:
             dest.route = Route(direct=True, reason="", device=str(dest.writer.holder))
-            log.info("cuda_ipc: KV to %s is written straight into its pool", dest.address)
+            log.info("%s: KV to %s is written straight into its pool", self.TRANSPORT, dest.address)
 
-    def _await_export(self, dest: _Destination) -> PoolExport | NoExport | None:
+    def _await_export(self, dest: _Destination) -> Any:
+        """The receiver's answer to "hello" (one of EXPORTS), None if none came in time."""
         until = time.monotonic() + HANDSHAKE_TIMEOUT_S
         while (left := until - time.monotonic()) > 0:
             if not dest.socket.poll(math.ceil(left * 1000)):
                 return None
             message = self._receive(dest)
-            if isinstance(message, (PoolExport, NoExport)):
+            if isinstance(message, self.EXPORTS):
                 return message
             if isinstance(message, Cancel):
                 self._on_notice(dest, message)
@@ -383,13 +350,9 @@ class CudaIpcSender(KVSender):
             dest.route, dest.writer = None, None  # the next begin() there handshakes again
         # Anything else (a late handshake reply, a receiver-bound kind) needs no action.
 
-    def _send(self, address: str, frames: list[Any]) -> bool:
+    def _socket(self, address: str) -> zmq.Socket | None:
         dest = self._destinations.get(address)
-        if dest is None:
-            return False
-        try:
-            dest.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-        except zmq.ZMQError as exc:  # Again: queue full; anything else: a broken socket
-            log.warning("send to %s failed: %s", address, exc)
-            return False
-        return True
+        return None if dest is None else dest.socket
+
+    def _send(self, address: str, frames: list[Any]) -> bool:
+        return self._frames.send(address, frames)

@@ -297,6 +297,11 @@ class ReceiverLedger:
         if self.table.finish(request_id, TransferState.FAILED, error) is not None:
             log.debug("transfer %s failed: %s", request_id, error)
 
+    def expire(self) -> None:
+        """Fail every transfer past its deadline (transports that hold no reservation longer)."""
+        for entry in self.table.overdue(time.monotonic()):
+            self.fail(entry.transfer.request_id, DEADLINE_EXCEEDED)
+
     def _known(self, request_id: str, kind: str) -> Incoming | None:
         entry = self.table.get(request_id)
         if entry is None:

@@ -120,8 +120,7 @@ class LoopbackReceiver(KVReceiver):
                 self._ledger.abort(header.request_id, header.reason, header.answered)
             else:
                 self._ledger.fail(header.request_id, "layer frame without payload")
-        for entry in self._ledger.table.overdue(time.monotonic()):
-            self._ledger.fail(entry.transfer.request_id, DEADLINE_EXCEEDED)
+        self._ledger.expire()
 
 
 class LoopbackSender(KVSender):

@@ -32,16 +32,14 @@ from typing import Any
 import torch
 
 from kv_transfer.base import TransferConfig
-from kv_transfer.cuda_ipc import CANCEL_GRACE_S, CudaIpcReceiver
+from kv_transfer.cuda_ipc import CudaIpcReceiver
 from kv_transfer.ipc_handles import (
-    Cancel,
-    Hello,
     NoExport,
-    encode_message,
+    PoolExport,
     host_id,
     register_kind,
 )
-from kv_transfer.ipc_sender import HANDSHAKE_TIMEOUT_S, CudaIpcSender, Route
+from kv_transfer.ipc_sender import CudaIpcSender
 from kv_transfer.nixl_layout import PoolRegion, Run, block_runs, layer_descriptors
 
 log = logging.getLogger(__name__)
@@ -115,22 +113,15 @@ class _Agent:
 class NixlReceiver(CudaIpcReceiver):
     """cuda_ipc's receiver whose handshake answer is the NIXL export of its pool."""
 
-    def __init__(
-        self,
-        pool: torch.Tensor,
-        config: TransferConfig,
-        bind_address: str,
-        cancel_grace_s: float = CANCEL_GRACE_S,
-    ) -> None:
-        super().__init__(pool, config, bind_address, cancel_grace_s)
-        self._agent: _Agent | None = None
+    _agent: _Agent | None = None
+
+    def _export_pool(self, pool: torch.Tensor) -> NixlExport | NoExport:
         try:
             self._agent = _Agent("decode", pool)
         except NixlUnavailable as exc:
             log.warning("nixl: KV will arrive as frames: %s", exc)
-            self._export = NoExport(self._session, host_id(), str(exc))
-            return
-        self._export = NixlExport(
+            return NoExport(self._session, host_id(), str(exc))
+        return NixlExport(
             self._session,
             host_id(),
             self._agent.agent.get_agent_metadata(),
@@ -290,42 +281,18 @@ class NixlSender(CudaIpcSender):
             self._agent.close()
             self._agent = None
 
-    def _handshake(self, dest) -> None:
-        reply = None
-        if self._send(dest.address, [encode_message(Hello(host_id(), os.getpid()))]):
-            reply = self._await_reply(dest)
-        dest.writer, dest.session, reason = None, "", ""
-        if reply is None:
-            reason = f"no answer to the handshake within {HANDSHAKE_TIMEOUT_S} s"
-        elif not isinstance(reply, NixlExport):
-            dest.session = getattr(reply, "session", "")
-            reason = getattr(reply, "reason", "the receiver does not speak nixl")
-        else:
-            dest.session = reply.session
-            try:
-                dest.writer = NixlWriter(self._local_agent(), reply)
-            except NixlUnavailable as exc:
-                reason = str(exc)
-        if dest.writer is None:
-            dest.route = Route(direct=False, reason=reason, device="")
-            log.warning("nixl: KV to %s goes as frames, not NIXL WRITEs: %s", dest.address, reason)
-        else:
-            dest.route = Route(direct=True, reason="", device=dest.writer.holder)
-            log.info("nixl: KV to %s is written into its pool by NIXL", dest.address)
+    EXPORTS = (NixlExport, NoExport, PoolExport)  # a cuda_ipc receiver answers a PoolExport
+    TRANSPORT, DIRECT_PATH = "nixl", "NIXL WRITEs"
+
+    def _open(self, reply: Any) -> tuple[NixlWriter | None, str]:
+        if not isinstance(reply, NixlExport):
+            return None, getattr(reply, "reason", "the receiver does not speak nixl")
+        try:
+            return NixlWriter(self._local_agent(), reply), ""
+        except NixlUnavailable as exc:
+            return None, str(exc)
 
     def _local_agent(self) -> _Agent:
         if self._agent is None:
             self._agent = _Agent("prefill", self._pool)
         return self._agent
-
-    def _await_reply(self, dest) -> Any:
-        until = time.monotonic() + HANDSHAKE_TIMEOUT_S
-        while (left := until - time.monotonic()) > 0:
-            if not dest.socket.poll(max(1, int(left * 1000))):
-                return None
-            message = self._receive(dest)
-            if isinstance(message, Cancel):
-                self._on_notice(dest, message)
-            elif message is not None and hasattr(message, "session"):
-                return message  # NixlExport, NoExport, or a cuda_ipc PoolExport
-        return None

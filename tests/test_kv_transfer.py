@@ -1,4 +1,9 @@
-"""KV transfer transports end to end: real pools on CPU, real sockets on 127.0.0.1, no mocks."""
+"""KV transfer transports end to end: real pools on CPU, real sockets on 127.0.0.1, no mocks.
+
+The `transport` fixture runs each contract test on every transport that works on CPU: zmq,
+loopback, and cuda_ipc, whose CPU pools always take its frames mode (its own contract, cancel
+and the direct path: tests/test_kv_transfer_cuda_ipc.py).
+"""
 
 from __future__ import annotations
 
@@ -22,32 +27,36 @@ from kv_transfer import (
     create_receiver,
     create_sender,
 )
+from kv_transfer.cuda_ipc import CudaIpcSender, Route
 from kv_transfer.loopback import LoopbackReceiver, LoopbackSender
 from kv_transfer.zmq_transport import ZmqReceiver, ZmqSender
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 3, 12, 4, 2, 8
-MAX_POLLS = 400  # with 0.05 s poll timeouts: a bound that only a hang reaches
+SHAPE = (NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM)
+MAX_WAIT_S = 20.0  # only a hang reaches it
 _names = itertools.count()
+
+# For a contract where cuda_ipc differs: its receiver holds a cancelled or expired reservation
+# until its sender confirms that nothing writes it any more (KVReceiver.cancel).
+zmq_and_loopback_only = pytest.mark.parametrize("transport", ["zmq", "loopback"])
 
 
 def make_pool(dtype: torch.dtype, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    shape = (NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM)
-    return torch.randn(shape, generator=g).to(dtype)
+    return torch.randn(SHAPE, generator=g).to(dtype)
 
 
 def bind_address(transport: str) -> str:
-    return "tcp://127.0.0.1:0" if transport == "zmq" else f"loopback://test-{next(_names)}"
+    return f"loopback://test-{next(_names)}" if transport == "loopback" else "tcp://127.0.0.1:0"
 
 
 def poll_until_terminal(receiver: KVReceiver, request_ids: set[str]) -> dict[str, Transfer]:
     seen: dict[str, Transfer] = {}
-    for _ in range(MAX_POLLS):
-        for t in receiver.poll(timeout_s=0.05):
-            seen[t.request_id] = t
-        if request_ids <= seen.keys():
-            return seen
-    raise AssertionError(f"never terminal: {sorted(request_ids - seen.keys())}")
+    until = time.monotonic() + MAX_WAIT_S
+    while not request_ids <= seen.keys():
+        assert time.monotonic() < until, f"never terminal: {sorted(request_ids - seen.keys())}"
+        seen.update((t.request_id, t) for t in receiver.poll(timeout_s=0.02))
+    return seen
 
 
 def poll_both_until_terminal(
@@ -58,22 +67,24 @@ def poll_both_until_terminal(
     copy finished."""
     done: dict[str, Transfer] = {}
     sent: dict[str, Transfer] = {}
-    for _ in range(MAX_POLLS):
+    until = time.monotonic() + MAX_WAIT_S
+    while not (request_ids <= done.keys() and request_ids <= sent.keys()):
+        assert time.monotonic() < until, (
+            f"never terminal: {request_ids - (done.keys() & sent.keys())}"
+        )
         sent.update((t.request_id, t) for t in sender.poll())
-        done.update((t.request_id, t) for t in receiver.poll(timeout_s=0.05))
-        if request_ids <= done.keys() and request_ids <= sent.keys():
-            return done, sent
-    raise AssertionError(f"never terminal: {sorted(request_ids - (done.keys() & sent.keys()))}")
+        done.update((t.request_id, t) for t in receiver.poll(timeout_s=0.02))
+    return done, sent
 
 
 def poll_sender_until_terminal(sender: KVSender, request_ids: set[str]) -> dict[str, Transfer]:
     seen: dict[str, Transfer] = {}
-    for _ in range(MAX_POLLS):
+    until = time.monotonic() + MAX_WAIT_S
+    while not request_ids <= seen.keys():
+        assert time.monotonic() < until, f"sender never terminal: {request_ids - seen.keys()}"
         seen.update((t.request_id, t) for t in sender.poll())
-        if request_ids <= seen.keys():
-            return seen
-        time.sleep(0.01)
-    raise AssertionError(f"sender never terminal: {sorted(request_ids - seen.keys())}")
+        time.sleep(0.005)
+    return seen
 
 
 def send_all(sender: KVSender, request_id: str, metadata: dict | None = None) -> None:
@@ -86,22 +97,47 @@ def blocks(pool: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
     return pool[:, :, block_ids]
 
 
-@pytest.fixture(params=["zmq", "loopback"])
+def handshake(sender: CudaIpcSender, receiver: KVReceiver) -> Route:
+    """connect() blocks until the receiver answers, and a receiver answers only inside poll():
+    in a single-threaded test, serve it from a helper thread for the duration."""
+    stop = threading.Event()
+    returned: list[Transfer] = []
+
+    def serve() -> None:
+        while not stop.is_set():
+            returned.extend(receiver.poll(timeout_s=0.01))
+
+    server = threading.Thread(target=serve)
+    server.start()
+    try:
+        route = sender.connect(receiver.address)
+    finally:
+        stop.set()
+        server.join()
+    assert returned == [], "nothing may end during a handshake"
+    assert route is not None
+    return route
+
+
+@pytest.fixture(params=["zmq", "loopback", "cuda_ipc"])
 def transport(request) -> str:
     return request.param
 
 
 @pytest.fixture
 def make_pair(transport):
-    """Build (sender, receiver, src_pool, dst_pool) with the given config; closes them after."""
+    """Build (sender, receiver, src_pool, dst_pool) with the given config (a cuda_ipc pair has
+    shaken hands); closes them after."""
     opened: list = []
 
-    def make(dtype=torch.float32, **config_kwargs):
+    def make(dtype=torch.float32, dst_dtype=None, **config_kwargs):
         config = TransferConfig(transport=transport, **config_kwargs)
-        src, dst = make_pool(dtype, seed=1), make_pool(dtype, seed=2)
+        src, dst = make_pool(dtype, seed=1), make_pool(dst_dtype or dtype, seed=2)
         receiver = create_receiver(config, dst, bind_address(transport))
         sender = create_sender(config, src)
         opened.extend([sender, receiver])
+        if isinstance(sender, CudaIpcSender):
+            handshake(sender, receiver)
         return sender, receiver, src, dst
 
     yield make
@@ -185,6 +221,7 @@ def test_sender_abort_fails_the_receiver_transfer_and_writes_nothing_after_it(ma
     sender.abort("r", "again")  # forgotten request: still a no-op
 
 
+@zmq_and_loopback_only
 def test_cancelled_transfer_drops_late_frames_and_keeps_working(make_pair):
     sender, receiver, src, dst = make_pair()
     before = dst.clone()
@@ -204,6 +241,7 @@ def test_cancelled_transfer_drops_late_frames_and_keeps_working(make_pair):
     assert receiver.late_frames == NUM_LAYERS + 1  # every layer and the completion notice
 
 
+@zmq_and_loopback_only
 def test_late_frames_to_a_freed_reservation_never_touch_its_blocks_new_owner(make_pair):
     """The decode node freed r1's blocks (its transfer failed at the deadline) and reserved
     the same blocks for r2; r1's sender, slow but alive, still ships. Its frames are dropped
@@ -276,6 +314,7 @@ def test_a_receiver_that_vanishes_leaves_the_sender_nothing_to_hold(make_pair):
     assert sender.poll() == []
 
 
+@zmq_and_loopback_only
 def test_receiver_fails_a_transfer_that_never_arrives_after_its_deadline(make_pair):
     _, receiver, _, _ = make_pair(deadline_s=0.2)
     receiver.expect("never", [1, 2])
@@ -343,11 +382,13 @@ def test_unknown_transport_name_lists_the_known_ones():
 
 def test_unreachable_destination_fails_the_transfer_not_the_sender(make_pair, transport):
     sender, receiver, _, _ = make_pair()
-    nowhere = "not-an-endpoint" if transport == "zmq" else "loopback://nobody"
+    nowhere = "loopback://nobody" if transport == "loopback" else "not-an-endpoint"
     sender.begin("lost", nowhere, [0], [0])
     send_all(sender, "lost")  # no-ops once the transfer failed
     (t,) = sender.poll()
     assert t.state is TransferState.FAILED
+    if isinstance(sender, CudaIpcSender):
+        assert "cannot connect" in t.error and sender.route(nowhere) is None
     # The sender still works for a reachable receiver.
     receiver.expect("ok", [1])
     sender.begin("ok", receiver.address, [1], [1])
@@ -357,12 +398,14 @@ def test_unreachable_destination_fails_the_transfer_not_the_sender(make_pair, tr
 
 def test_complete_rejects_metadata_the_receiver_could_not_decode(make_pair):
     sender, receiver, _, _ = make_pair()
+    receiver.expect("r", [0])
     sender.begin("r", receiver.address, [0], [0])
     for layer in range(NUM_LAYERS):
         sender.send_layer("r", layer)
     with pytest.raises(ValueError, match="msgpack"):
         sender.complete("r", {"timing": {1: 0.5}})
     sender.complete("r", {"timing": {"prefill": 0.5}})  # the transfer is still usable
+    assert poll_until_terminal(receiver, {"r"})["r"].metadata == {"timing": {"prefill": 0.5}}
 
 
 def test_receiver_that_stops_reading_fails_transfers_instead_of_blocking_the_sender():
@@ -383,16 +426,12 @@ def test_receiver_that_stops_reading_fails_transfers_instead_of_blocking_the_sen
     assert failed and "is full" in failed[0].error
 
 
-def test_mismatched_pool_layout_fails_the_transfer(transport):
-    config = TransferConfig(transport=transport)
-    src = make_pool(torch.float32, 0)
-    dst = make_pool(torch.bfloat16, 1)
-    with create_receiver(config, dst, bind_address(transport)) as receiver:
-        with create_sender(config, src) as sender:
-            receiver.expect("r", [2])
-            sender.begin("r", receiver.address, [1], [2])
-            send_all(sender, "r")
-            (t,) = poll_until_terminal(receiver, {"r"}).values()
+def test_mismatched_pool_layout_fails_the_transfer(make_pair):
+    sender, receiver, _, _ = make_pair(torch.float32, dst_dtype=torch.bfloat16)
+    receiver.expect("r", [2])
+    sender.begin("r", receiver.address, [1], [2])
+    send_all(sender, "r")
+    (t,) = poll_until_terminal(receiver, {"r"}).values()
     assert t.state is TransferState.FAILED and "dtype torch.float32" in t.error
 
 
@@ -416,6 +455,49 @@ def payload(n_blocks: int, extra: int = 0) -> bytes:
     return bytes(2 * n_blocks * BLOCK_SIZE * HEADS * HEAD_DIM * 4 + extra)
 
 
+def bad_frames() -> dict[str, tuple[list[int], list[bytes], str]]:
+    """request -> (its reservation, a message that must fail it, the error it gets), for a
+    receiver of the frames wire; the reservations take blocks 0-7."""
+    early_complete = {"kind": "complete", "request_id": "early-complete", "metadata": {}}
+    return {
+        "garbage-header": (
+            [0],
+            [msgpack.packb({"request_id": "garbage-header", "kind": 3})],
+            "unknown header kind",
+        ),
+        "wrong-ids": ([1, 2], [layer_header("wrong-ids", 0, [1, 9]), payload(2)], "block ids"),
+        "wrong-size": ([3], [layer_header("wrong-size", 0, [3]), payload(1, 4)], "516 bytes"),
+        "wrong-dtype": (
+            [4],
+            [layer_header("wrong-dtype", 0, [4], dtype="int8"), payload(1)],
+            "dtype",
+        ),
+        "no-payload": ([5], [layer_header("no-payload", 0, [5])], "1 parts, not 2"),
+        "bad-layer": ([6], [layer_header("bad-layer", NUM_LAYERS, [6]), payload(1)], "outside"),
+        "early-complete": ([7], [msgpack.packb(early_complete)], "incomplete"),
+    }
+
+
+def assert_a_good_transfer_still_lands(
+    sender: KVSender,
+    receiver: KVReceiver,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    before: torch.Tensor,
+) -> None:
+    """After the hostile messages: block 11 gets exactly its KV, no other block changed, and the
+    bystander (expected, never sent) is still pending."""
+    receiver.expect("good", [11])
+    sender.begin("good", receiver.address, [2], [11])
+    send_all(sender, "good", {"ok": True})
+    done = poll_until_terminal(receiver, {"good"})
+    assert set(done) == {"good"}, "the bystander must stay pending"
+    assert done["good"].state is TransferState.DONE and done["good"].metadata == {"ok": True}
+    assert torch.equal(blocks(dst, [11]), blocks(src, [2]))
+    untouched = [b for b in range(NUM_BLOCKS) if b != 11]
+    assert torch.equal(blocks(dst, untouched), blocks(before, untouched))
+
+
 def test_malformed_frames_fail_only_their_transfer_and_the_receiver_keeps_working():
     config = TransferConfig()
     src, dst = make_pool(torch.float32, 1), make_pool(torch.float32, 2)
@@ -424,28 +506,13 @@ def test_malformed_frames_fail_only_their_transfer_and_the_receiver_keeps_workin
     with ZmqReceiver(dst, config, "tcp://127.0.0.1:0") as receiver:
         raw = ctx.socket(zmq.PUSH)
         raw.connect(receiver.address)
-        early_complete = {"kind": "complete", "request_id": "early-complete", "metadata": {}}
-        bad = {  # request -> (its reservation, a message that must fail it, the error it gets)
-            "garbage-header": (
-                [0],
-                [msgpack.packb({"request_id": "garbage-header", "kind": 3})],
-                "unknown header kind",
-            ),
-            "wrong-ids": ([1, 2], [layer_header("wrong-ids", 0, [1, 9]), payload(2)], "block ids"),
-            "wrong-size": ([3], [layer_header("wrong-size", 0, [3]), payload(1, 4)], "516 bytes"),
+        bad = {
+            **bad_frames(),
             "wrong-shape": (
-                [4],
-                [layer_header("wrong-shape", 0, [4], shape=[2, 1]), payload(1)],
+                [8],
+                [layer_header("wrong-shape", 0, [8], shape=[2, 1]), payload(1)],
                 "shape",
             ),
-            "wrong-dtype": (
-                [5],
-                [layer_header("wrong-dtype", 0, [5], dtype="int8"), payload(1)],
-                "dtype",
-            ),
-            "no-payload": ([6], [layer_header("no-payload", 0, [6])], "1 parts, not 2"),
-            "bad-layer": ([7], [layer_header("bad-layer", NUM_LAYERS, [7]), payload(1)], "outside"),
-            "early-complete": ([8], [msgpack.packb(early_complete)], "incomplete"),
         }
         for rid, (block_ids, _, _) in bad.items():
             receiver.expect(rid, block_ids)
@@ -463,15 +530,7 @@ def test_malformed_frames_fail_only_their_transfer_and_the_receiver_keeps_workin
             assert error in failed[rid].error, (rid, failed[rid].error)
 
         with ZmqSender(src, config) as sender:
-            receiver.expect("good", [11])
-            sender.begin("good", receiver.address, [2], [11])
-            send_all(sender, "good", {"ok": True})
-            done = poll_until_terminal(receiver, {"good"})
-        assert set(done) == {"good"}, "the bystander must stay pending"
-        assert done["good"].state is TransferState.DONE and done["good"].metadata == {"ok": True}
-        assert torch.equal(blocks(dst, [11]), blocks(src, [2]))
-        untouched = [b for b in range(NUM_BLOCKS) if b != 11]
-        assert torch.equal(blocks(dst, untouched), blocks(before, untouched))
+            assert_a_good_transfer_still_lands(sender, receiver, src, dst, before)
         raw.close(linger=0)
     ctx.term()
 
@@ -482,6 +541,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @cuda
+@zmq_and_loopback_only  # cuda_ipc's direct path: tests/test_kv_transfer_cuda_ipc_gpu.py
 def test_cuda_pools_transfer_exactly(transport):
     config = TransferConfig(transport=transport)
     src = make_pool(torch.bfloat16, 1).cuda()
@@ -504,6 +564,7 @@ def test_cuda_pools_transfer_exactly(transport):
 
 
 @cuda
+@zmq_and_loopback_only
 def test_cuda_send_layer_ships_what_the_current_stream_wrote_last(transport):
     """send_layer may be called while the GPU still computes: the shipped KV must be the values
     queued on the current stream before the call, not whatever the pool held at that moment."""

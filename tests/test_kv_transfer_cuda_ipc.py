@@ -1,13 +1,13 @@
 """The cuda_ipc transport on CPU: handshake codec, export/open refusals, the frames fallback
-(CPU pools cannot be exported, so every transfer takes it, and the checks of
-tests/test_kv_transfer.py apply), the receiver's cancel contract, hostile messages on both
-sockets. Direct CUDA IPC writes: tests/test_kv_transfer_cuda_ipc_gpu.py.
+(CPU pools cannot be exported, so every transfer takes it), the receiver's cancel contract,
+hostile messages on both sockets. The contract it shares with zmq and loopback runs in
+tests/test_kv_transfer.py (a case of its `transport` fixture); direct CUDA IPC writes:
+tests/test_kv_transfer_cuda_ipc_gpu.py.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from typing import Any
@@ -16,10 +16,25 @@ import msgpack
 import pytest
 import torch
 import zmq
+from test_kv_transfer import (  # tests/ is on sys.path under pytest
+    MAPPINGS,
+    MAX_WAIT_S,
+    NUM_LAYERS,
+    SHAPE,
+    assert_a_good_transfer_still_lands,
+    bad_frames,
+    blocks,
+    handshake,
+    layer_header,
+    make_pool,
+    payload,
+    poll_sender_until_terminal,
+    poll_until_terminal,
+    send_all,
+)
 
-from kv_transfer import TRANSPORTS, Transfer, TransferConfig, TransferState, create_receiver
+from kv_transfer import TRANSPORTS, TransferConfig, TransferState, create_receiver
 from kv_transfer import ipc_sender as ipc_sender_module
-from kv_transfer.base import KVReceiver, KVSender
 from kv_transfer.cuda_ipc import CANCELLED, CudaIpcReceiver, CudaIpcSender, Route
 from kv_transfer.frames import AbortHeader, CompleteHeader, FrameError, LayerHeader
 from kv_transfer.ipc_handles import (
@@ -38,71 +53,7 @@ from kv_transfer.ipc_handles import (
 )
 from kv_transfer.ipc_sender import CANCELLED_BY_RECEIVER
 
-NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 3, 12, 4, 2, 8
-SHAPE = (NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM)
-MAX_WAIT_S = 20.0  # only a hang reaches it
-MAPPINGS = {  # request -> (source blocks, destination blocks)
-    "a": ([0, 1, 2], [5, 9, 3]),
-    "b": ([7], [0]),
-    "c": ([4, 10, 11, 6], [1, 2, 11, 7]),
-}
 ADDRESS = "tcp://127.0.0.1:0"
-
-
-def make_pool(dtype: torch.dtype, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(SHAPE, generator=g).to(dtype)
-
-
-def blocks(pool: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
-    return pool[:, :, block_ids]
-
-
-def poll_until_terminal(receiver: KVReceiver, request_ids: set[str]) -> dict[str, Transfer]:
-    seen: dict[str, Transfer] = {}
-    until = time.monotonic() + MAX_WAIT_S
-    while not request_ids <= seen.keys():
-        assert time.monotonic() < until, f"never terminal: {sorted(request_ids - seen.keys())}"
-        seen.update((t.request_id, t) for t in receiver.poll(timeout_s=0.02))
-    return seen
-
-
-def poll_sender_until_terminal(sender: KVSender, request_ids: set[str]) -> dict[str, Transfer]:
-    seen: dict[str, Transfer] = {}
-    until = time.monotonic() + MAX_WAIT_S
-    while not request_ids <= seen.keys():
-        assert time.monotonic() < until, f"sender never terminal: {request_ids - seen.keys()}"
-        seen.update((t.request_id, t) for t in sender.poll())
-        time.sleep(0.005)
-    return seen
-
-
-def send_all(sender: KVSender, request_id: str, metadata: dict | None = None) -> None:
-    for layer in range(NUM_LAYERS):
-        sender.send_layer(request_id, layer)
-    sender.complete(request_id, metadata or {})
-
-
-def handshake(sender: CudaIpcSender, receiver: CudaIpcReceiver) -> Route:
-    """connect() blocks until the receiver answers, and a receiver answers only inside poll():
-    in a single-threaded test, serve it from a helper thread for the duration."""
-    stop = threading.Event()
-    returned: list[Transfer] = []
-
-    def serve() -> None:
-        while not stop.is_set():
-            returned.extend(receiver.poll(timeout_s=0.01))
-
-    server = threading.Thread(target=serve)
-    server.start()
-    try:
-        route = sender.connect(receiver.address)
-    finally:
-        stop.set()
-        server.join()
-    assert returned == [], "nothing may end during a handshake"
-    assert route is not None
-    return route
 
 
 @pytest.fixture
@@ -239,35 +190,7 @@ def test_cpu_pools_fall_back_to_frames_with_one_warning_per_receiver(make_pair, 
     assert len(warnings) == 1 and "not CUDA IPC" in warnings[0] and "on cpu" in warnings[0]
 
 
-# -- the frames fallback behaves like the zmq transport ---------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_shuffled_layers_land_exactly_in_the_reserved_blocks(make_pair, dtype):
-    sender, receiver, src, dst = make_pair(dtype)
-    before = dst.clone()
-    for rid, (src_ids, dst_ids) in MAPPINGS.items():
-        receiver.expect(rid, dst_ids)
-        sender.begin(rid, receiver.address, src_ids, dst_ids)
-    sends = [(rid, layer) for rid in MAPPINGS for layer in range(NUM_LAYERS)]
-    random.Random(0).shuffle(sends)
-    for rid, layer in sends:
-        sender.send_layer(rid, layer)
-    for rid in MAPPINGS:
-        sender.complete(rid, {"first_token": ord(rid), "timing": {"prefill_compute": 0.25}})
-
-    done = poll_until_terminal(receiver, set(MAPPINGS))
-    for rid, (src_ids, dst_ids) in MAPPINGS.items():
-        assert done[rid].state is TransferState.DONE, done[rid].error
-        assert done[rid].metadata == {"first_token": ord(rid), "timing": {"prefill_compute": 0.25}}
-        assert done[rid].layers_done == NUM_LAYERS
-        assert torch.equal(blocks(dst, dst_ids), blocks(src, src_ids))
-    written = {b for _, dst_ids in MAPPINGS.values() for b in dst_ids}
-    untouched = [b for b in range(NUM_BLOCKS) if b not in written]
-    assert torch.equal(blocks(dst, untouched), blocks(before, untouched))
-    sent = poll_sender_until_terminal(sender, set(MAPPINGS))
-    assert {t.state for t in sent.values()} == {TransferState.DONE}
-    assert sender.poll() == []
+# -- frames mode where it differs from zmq ----------------------------------------------------------
 
 
 def test_send_layers_checks_every_layer_before_sending_any(make_pair):
@@ -285,26 +208,6 @@ def test_send_layers_checks_every_layer_before_sending_any(make_pair):
     assert torch.equal(blocks(dst, [5, 9, 3]), blocks(src, [0, 1, 2]))
 
 
-def test_sender_abort_fails_the_receiver_transfer_and_writes_nothing_after_it(make_pair):
-    sender, receiver, src, dst = make_pair()
-    before = dst.clone()
-    receiver.expect("r", [3, 4])
-    sender.begin("r", receiver.address, [0, 1], [3, 4])
-    sender.send_layer("r", 0)
-    sender.abort("r", "client disconnected")
-    sender.send_layer("r", 1)  # after abort: a no-op, not an error
-    sender.complete("r", {})
-
-    (failed,) = poll_until_terminal(receiver, {"r"}).values()
-    assert failed.state is TransferState.FAILED
-    assert failed.error == "aborted by sender: client disconnected"
-    assert failed.answered_by_sender
-    assert torch.equal(dst[1:], before[1:])
-    (local,) = poll_sender_until_terminal(sender, {"r"}).values()
-    assert local.state is TransferState.FAILED and local.error == "client disconnected"
-    sender.abort("r", "again")  # forgotten request: still a no-op
-
-
 def test_receiver_deadline_waits_the_cancel_grace_when_no_sender_ever_spoke(make_pair):
     _, receiver, _, _ = make_pair(deadline_s=0.2, grace_s=0.3)
     t0 = time.monotonic()
@@ -312,83 +215,6 @@ def test_receiver_deadline_waits_the_cancel_grace_when_no_sender_ever_spoke(make
     (t,) = poll_until_terminal(receiver, {"never"}).values()
     assert t.state is TransferState.FAILED and t.error == "deadline exceeded"
     assert time.monotonic() - t0 >= 0.5  # deadline, then the grace a possible writer gets
-
-
-def test_sender_deadline_fails_both_sides(make_pair):
-    sender, receiver, _, _ = make_pair(deadline_s=0.3)
-    receiver.expect("slow", [1])
-    sender.begin("slow", receiver.address, [0], [1])
-    sender.send_layer("slow", 0)  # and never the rest
-    (local,) = poll_sender_until_terminal(sender, {"slow"}).values()
-    assert local.state is TransferState.FAILED and local.error == "deadline exceeded"
-    (remote,) = poll_until_terminal(receiver, {"slow"}).values()
-    assert remote.state is TransferState.FAILED
-
-
-def test_misuse_raises_and_bad_metadata_leaves_the_transfer_usable(make_pair):
-    sender, receiver, _, _ = make_pair()
-    receiver.expect("r", [1])
-    sender.begin("r", receiver.address, [0], [1])
-    sender.send_layer("r", 0)
-    with pytest.raises(ValueError, match=r"layers \[1, 2\] not sent"):
-        sender.complete("r", {})
-    with pytest.raises(ValueError, match="sent twice"):
-        sender.send_layer("r", 0)
-    with pytest.raises(ValueError, match="never begun"):
-        sender.send_layer("unknown", 0)
-    with pytest.raises(ValueError, match="2 source blocks, 1 destination"):
-        sender.begin("x", receiver.address, [0, 1], [2])
-    for layer in (1, 2):
-        sender.send_layer("r", layer)
-    with pytest.raises(ValueError, match="msgpack"):
-        sender.complete("r", {"timing": {1: 0.5}})
-    sender.complete("r", {"timing": {"prefill": 0.5}})
-    assert poll_until_terminal(receiver, {"r"})["r"].metadata == {"timing": {"prefill": 0.5}}
-
-
-@pytest.mark.parametrize("fail_rate, expected", [(1.0, TransferState.FAILED), (0.0, None)])
-def test_failure_injection_fails_every_transfer_on_both_sides_or_none(
-    make_pair, fail_rate, expected
-):
-    sender, receiver, _, _ = make_pair(fail_rate=fail_rate)
-    rids = {f"r{i}" for i in range(4)}
-    for i, rid in enumerate(sorted(rids)):
-        receiver.expect(rid, [i])
-        sender.begin(rid, receiver.address, [i], [i])
-        send_all(sender, rid)
-    remote = poll_until_terminal(receiver, rids)
-    local = poll_sender_until_terminal(sender, rids)
-    want = expected or TransferState.DONE
-    assert {t.state for t in [*remote.values(), *local.values()]} == {want}
-    if fail_rate:
-        assert {t.error for t in local.values()} == {"injected failure"}
-        assert {t.error for t in remote.values()} == {"aborted by sender: injected failure"}
-        assert not any(t.answered_by_sender for t in remote.values())  # its node must tell
-
-
-def test_unreachable_destination_fails_the_transfer_not_the_sender(make_pair):
-    sender, receiver, _, _ = make_pair()
-    sender.begin("lost", "not-an-endpoint", [0], [0])
-    send_all(sender, "lost")  # no-ops once the transfer failed
-    (t,) = sender.poll()
-    assert t.state is TransferState.FAILED and "cannot connect" in t.error
-    assert sender.route("not-an-endpoint") is None
-    receiver.expect("ok", [1])
-    sender.begin("ok", receiver.address, [1], [1])
-    send_all(sender, "ok")
-    assert poll_until_terminal(receiver, {"ok"})["ok"].state is TransferState.DONE
-
-
-def test_mismatched_pool_layout_fails_the_transfer():
-    config = TransferConfig(transport="cuda_ipc")
-    with CudaIpcReceiver(make_pool(torch.bfloat16, 1), config, ADDRESS) as receiver:
-        with CudaIpcSender(make_pool(torch.float32, 0), config) as sender:
-            handshake(sender, receiver)
-            receiver.expect("r", [2])
-            sender.begin("r", receiver.address, [1], [2])
-            send_all(sender, "r")
-            (t,) = poll_until_terminal(receiver, {"r"}).values()
-    assert t.state is TransferState.FAILED and "dtype torch.float32" in t.error
 
 
 # -- the cancel contract ------------------------------------------------------------------------
@@ -494,46 +320,14 @@ def test_a_decline_of_a_begun_transfer_changes_nothing(make_pair):
 # -- hostile or broken messages ------------------------------------------------------------------
 
 
-def layer_header(rid: str, layer: int, block_ids: list[int], **overrides) -> bytes:
-    header = {
-        "kind": "layer",
-        "request_id": rid,
-        "layer": layer,
-        "block_ids": block_ids,
-        "dtype": "torch.float32",
-        "shape": [2, len(block_ids), BLOCK_SIZE, HEADS, HEAD_DIM],
-        **overrides,
-    }
-    return msgpack.packb(header)
-
-
-def payload(n_blocks: int, extra: int = 0) -> bytes:
-    return bytes(2 * n_blocks * BLOCK_SIZE * HEADS * HEAD_DIM * 4 + extra)
-
-
 def test_malformed_messages_fail_only_their_transfer_and_the_receiver_keeps_working(make_pair):
     sender, receiver, src, dst = make_pair(grace_s=0.3)
     before = dst.clone()
     ctx = zmq.Context()
     raw = ctx.socket(zmq.DEALER)
     raw.connect(receiver.address)
-    early_complete = {"kind": "complete", "request_id": "early-complete", "metadata": {}}
-    bad = {  # request -> (its reservation, a message that must fail it, the error it gets)
-        "garbage-header": (
-            [0],
-            [msgpack.packb({"request_id": "garbage-header", "kind": 3})],
-            "unknown header kind",
-        ),
-        "wrong-ids": ([1, 2], [layer_header("wrong-ids", 0, [1, 9]), payload(2)], "block ids"),
-        "wrong-size": ([3], [layer_header("wrong-size", 0, [3]), payload(1, 4)], "516 bytes"),
-        "wrong-dtype": (
-            [4],
-            [layer_header("wrong-dtype", 0, [4], dtype="int8"), payload(1)],
-            "dtype",
-        ),
-        "no-payload": ([5], [layer_header("no-payload", 0, [5])], "1 parts, not 2"),
-        "bad-layer": ([6], [layer_header("bad-layer", NUM_LAYERS, [6]), payload(1)], "outside"),
-        "early-complete": ([7], [msgpack.packb(early_complete)], "incomplete"),
+    bad = {
+        **bad_frames(),
         "extra-part": ([8], [encode_message(Cancel("extra-part")), b"?"], "2 parts, not 1"),
     }
     for rid, (block_ids, _, _) in bad.items():
@@ -562,15 +356,7 @@ def test_malformed_messages_fail_only_their_transfer_and_the_receiver_keeps_work
     assert "malformed frame" in failed["unannounced"].error
     assert time.monotonic() - t0 >= 0.3
 
-    receiver.expect("good", [11])
-    sender.begin("good", receiver.address, [2], [11])
-    send_all(sender, "good", {"ok": True})
-    done = poll_until_terminal(receiver, {"good"})
-    assert set(done) == {"good"}, "the bystander must stay pending"
-    assert done["good"].state is TransferState.DONE and done["good"].metadata == {"ok": True}
-    assert torch.equal(blocks(dst, [11]), blocks(src, [2]))
-    untouched = [b for b in range(NUM_BLOCKS) if b != 11]
-    assert torch.equal(blocks(dst, untouched), blocks(before, untouched))
+    assert_a_good_transfer_still_lands(sender, receiver, src, dst, before)
     raw.close(linger=0)
     ctx.term()
 

@@ -25,8 +25,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_kv_transfer_cuda_ipc import (  # tests/ is on sys.path under pytest
-    ADDRESS,
+from test_kv_transfer import (  # tests/ is on sys.path under pytest
     MAPPINGS,
     NUM_BLOCKS,
     NUM_LAYERS,
@@ -37,6 +36,7 @@ from test_kv_transfer_cuda_ipc import (  # tests/ is on sys.path under pytest
     poll_sender_until_terminal,
     poll_until_terminal,
 )
+from test_kv_transfer_cuda_ipc import ADDRESS
 
 from kv_transfer import TransferConfig, TransferState
 from kv_transfer.cuda_ipc import CANCELLED, CudaIpcReceiver, CudaIpcSender, Route
