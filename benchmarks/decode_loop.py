@@ -125,7 +125,7 @@ class LoopDriver:
         rid = f"bench-{i}"
         start = self.rng.randrange(len(self.prompt_pool) - self.context)
         prompt = self.prompt_pool[start : start + self.context - 1].astype(np.int32)
-        sampling = dict(vars(self.params_fn(self.rng, self.lo, self.hi, i)))
+        sampling = self.params_fn(self.rng, self.lo, self.hi, i)
         node.handle(DecodeRequest(rid, prompt, sampling, self.prefill))
         pending = node.reservations.reserve_next()
         assert pending is not None, "KV pool too small for the benchmark batch"

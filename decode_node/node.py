@@ -168,8 +168,7 @@ class DecodeNode:
             self.channel.to_router(RequestError(rid, f"duplicate request id {rid!r}", 400))
             return
         try:
-            params = SamplingParams(**request.sampling)
-            seq = self._new_sequence(rid, request.prompt_token_ids, params)
+            seq = self._new_sequence(rid, request.prompt_token_ids, request.sampling)
         except (TypeError, ValueError) as exc:
             self.channel.to_router(RequestError(rid, str(exc), 400))
             return
@@ -260,7 +259,7 @@ class DecodeNode:
         if meta.get("host_id") == HOST_ID and isinstance(meta.get("first_token_at"), float):
             timing.prefill_first_token_at = meta["first_token_at"]
         req = pending.request
-        seq = self._new_sequence(rid, req.prompt_token_ids, SamplingParams(**req.sampling))
+        seq = self._new_sequence(rid, req.prompt_token_ids, req.sampling)
         seq.block_ids = pending.block_ids
         seq.num_computed_tokens = len(req.prompt_token_ids)
         ended = seq.append_token(int(meta["first_token"]))

@@ -23,7 +23,6 @@ from common.protocol.messages import (
     RequestError,
     Reservation,
 )
-from common.protocol.sampling_params import SamplingParams
 from kv_transfer import TransferConfig, TransferState, create_sender
 from kv_transfer.tp import TPSender, check_transport, prefill_rank_handler, rank_transfer
 from prefill_node.jobs import EndedRequests, PrefillJob, check_reserved
@@ -179,8 +178,7 @@ class PrefillNode:
             return
         req = job.request
         try:
-            params = SamplingParams(**req.sampling)
-            seq = self.worker.new_sequence(req.request_id, req.prompt_token_ids, params)
+            seq = self.worker.new_sequence(req.request_id, req.prompt_token_ids, req.sampling)
             needed = self.scheduler.blocks_for(len(req.prompt_token_ids))
             check_reserved(job.reserved_blocks, needed)
             self.scheduler.add(seq)

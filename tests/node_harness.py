@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from common.engine.config import CacheConfig, EngineConfig, ModelConfig
 from common.node.config import NodeConfig
 from common.protocol.messages import DecodeRequest, FirstToken, PrefillRequest, Reservation, decode
+from common.protocol.sampling_params import SamplingParams
 from decode_node.node import DecodeNode
 from kv_transfer import Transfer, TransferConfig, TransferState, create_receiver
 from prefill_node.node import PrefillNode
@@ -74,7 +75,7 @@ class PrefillHarness:
     def request(self, request_id: str, num_blocks: int) -> PrefillRequest:
         """The router's request for a prompt of `num_blocks` blocks (the last one partial)."""
         prompt = list(range(10, 10 + (num_blocks - 1) * BLOCK_SIZE + 5))
-        sampling = {"max_tokens": 4, "temperature": 0}
+        sampling = SamplingParams(max_tokens=4, temperature=0)
         return PrefillRequest(
             request_id, prompt, sampling, self.decode_address, self.receiver.address
         )
@@ -149,7 +150,7 @@ class DecodeHarness:
     def request(self, request_id: str, prefill_node: str | None = None) -> DecodeRequest:
         """The router's request for a 40-token prompt (3 blocks) prefilled by `prefill_node`
         (default: the test's socket; colocated: none)."""
-        prompt, sampling = list(range(10, 50)), {"max_tokens": 4}
+        prompt, sampling = list(range(10, 50)), SamplingParams(max_tokens=4)
         if self.node.colocated:
             return DecodeRequest(request_id, prompt, sampling, None)
         return DecodeRequest(request_id, prompt, sampling, prefill_node or self.prefill_address)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from common.engine.block_allocator import BlockAllocator
 from common.protocol.messages import DecodeRequest
+from common.protocol.sampling_params import SamplingParams
 from decode_node.reservations import ReservationQueue
 
 
 def request(rid: str, tokens: int) -> DecodeRequest:
-    return DecodeRequest(rid, list(range(tokens)), {}, "tcp://prefill")
+    return DecodeRequest(rid, list(range(tokens)), SamplingParams(), "tcp://prefill")
 
 
 def test_reservations_are_fifo_and_take_the_prompts_blocks():

@@ -15,6 +15,7 @@ import torch
 
 from common.node.config import NodeConfig
 from common.protocol.messages import DecodeRequest, FirstToken, PrefillRequest, RequestError, decode
+from common.protocol.sampling_params import SamplingParams
 from decode_node.node import DecodeNode
 from kv_transfer import TransferConfig, create_sender
 from prefill_node.node import PrefillNode
@@ -26,6 +27,8 @@ from tests.node_harness import (
     pull,
     save_tiny_model,
 )
+
+OUT_OF_VOCAB = 10**6  # the tiny model's vocabulary has 256 tokens
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +59,8 @@ def step_until_ended(h: DecodeHarness, request_id: str) -> None:
 
 def next_router_message(h: DecodeHarness) -> object:
     """What the node sent the router first from now on, after a request it rejects at once
-    (invalid sampling parameters) marks the end of what came before."""
-    h.node.handle(DecodeRequest("marker", [1, 2], {"temperature": -1}, h.prefill_address))
+    (a token outside the vocabulary) marks the end of what came before."""
+    h.node.handle(DecodeRequest("marker", [OUT_OF_VOCAB], SamplingParams(), h.prefill_address))
     return decode(h.router.recv())
 
 
@@ -128,7 +131,7 @@ def test_a_first_token_that_finishes_the_request_frees_the_decode_reservation_at
     try:
         free_at_start = decode_node.worker.allocator.num_available
         prompt = list(range(10, 50))
-        sampling = {"max_tokens": 1, "temperature": 0}
+        sampling = SamplingParams(max_tokens=1, temperature=0)
         decode_node.handle(DecodeRequest("one", prompt, sampling, prefill_config.control_address))
         prefill_node.handle(
             PrefillRequest("one", prompt, sampling, decode_config.control_address,
@@ -149,7 +152,7 @@ def test_a_first_token_that_finishes_the_request_frees_the_decode_reservation_at
         assert prefill_node.worker.allocator.stats().num_used == 0
         first = decode(router.recv())
         assert isinstance(first, FirstToken) and first.finished and first.request_id == "one"
-        decode_node.handle(DecodeRequest("marker", [1, 2], {"temperature": -1}, None))
+        decode_node.handle(DecodeRequest("marker", [OUT_OF_VOCAB], SamplingParams(), None))
         error = decode(router.recv())
         assert isinstance(error, RequestError) and error.request_id == "marker", error
     finally:

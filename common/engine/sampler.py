@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.engine.device_copy import to_device
 from common.engine import sampling_ops as ops
+from common.engine.device_copy import to_device
 from common.engine.token_counts import TokenCounts
 from common.protocol.sampling_params import SamplingParams
 
