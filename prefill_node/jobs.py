@@ -24,7 +24,7 @@ class PrefillJob:
     decode_s: float = 0.0  # parsing the PrefillRequest
     transferring: bool = False
     transfer_error: str | None = None  # the sender refused to begin the transfer (a bug)
-    deadline: float | None = None  # monotonic; past it the job is failed (see _expire_jobs)
+    deadline: float | None = None  # monotonic; past it the job is failed (see PrefillNode.expire)
 
 
 def check_reserved(block_ids: list[int], needed: int) -> None:
