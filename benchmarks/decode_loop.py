@@ -29,6 +29,7 @@ from common.engine.worker import Worker
 from common.node.config import NodeConfig
 from common.protocol.messages import DecodeRequest
 from common.protocol.sampling_params import SamplingParams
+from decode_node import choices
 from decode_node.node import DecodeNode
 from kv_transfer import Transfer, TransferState
 
@@ -127,12 +128,14 @@ class LoopDriver:
         prompt = self.prompt_pool[start : start + self.context - 1].astype(np.int32)
         sampling = self.params_fn(self.rng, self.lo, self.hi, i)
         node.handle(DecodeRequest(rid, prompt, sampling, self.prefill))
-        pending = node.reservations.reserve_next()
-        assert pending is not None, "KV pool too small for the benchmark batch"
-        node.timings[rid].reserved_at = pending.reserved_at
-        done = Transfer(rid, pending.block_ids, 0, time.monotonic() + 60)
+        admission = node.admission  # PDAdmission; its receiver is bypassed
+        request = admission.queue.reserve_next()
+        assert request is not None, "KV pool too small for the benchmark batch"
+        admission.num_reserved += 1  # as PDAdmission.poll counts a reservation
+        done = Transfer(rid, request.block_ids, 0, time.monotonic() + 60)
         done.state, done.metadata = TransferState.DONE, {"first_token": int(prompt[0])}
-        node._transfer_ended(done)
+        admission._transfer_ended(request, done)
+        choices.fork(node.scheduler, request, request.seq)
         self.admitted += 1
 
     def top_up(self, batch: int) -> None:
@@ -186,7 +189,7 @@ class LoopDriver:
 
     def drain(self) -> None:
         """Finish every running request (between runs: a new batch size or parameter mix)."""
-        for rid in list(self.node.timings):
+        for rid in list(self.node.requests):
             self.node._abort(rid)
         while self.node.core.has_work():
             self.node.step()

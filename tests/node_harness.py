@@ -20,6 +20,7 @@ from common.node.config import NodeConfig
 from common.protocol.messages import DecodeRequest, FirstToken, PrefillRequest, Reservation, decode
 from common.protocol.sampling_params import SamplingParams
 from decode_node.node import DecodeNode
+from decode_node.request import Phase
 from kv_transfer import Transfer, TransferConfig, TransferState, create_receiver
 from prefill_node.node import PrefillNode
 from tests.tiny_models import TINY_SHAPE
@@ -151,7 +152,7 @@ class DecodeHarness:
         """The router's request for a 40-token prompt (3 blocks) prefilled by `prefill_node`
         (default: the test's socket; colocated: none)."""
         prompt, sampling = list(range(10, 50)), SamplingParams(max_tokens=4)
-        if self.node.colocated:
+        if self.node.config.colocated:
             return DecodeRequest(request_id, prompt, sampling, None)
         return DecodeRequest(request_id, prompt, sampling, prefill_node or self.prefill_address)
 
@@ -166,10 +167,11 @@ class DecodeHarness:
     def blocks_used(self) -> int:
         return self.node.worker.allocator.stats().num_used
 
+    def quarantined(self) -> list[str]:
+        return [r.id for r in self.node.requests.values() if r.phase is Phase.QUARANTINED]
+
     def close(self) -> None:
-        if self.node.receiver is not None:
-            self.node.receiver.close()
+        self.node.close()
         self.node.channel.close()
-        self.node.worker.close()
         self.router.close(linger=0)
         self.prefill.close(linger=0)

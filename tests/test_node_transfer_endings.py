@@ -51,7 +51,7 @@ def harness(model_dir, tmp_path):
 
 def step_until_ended(h: DecodeHarness, request_id: str) -> None:
     for _ in range(MAX_STEPS):
-        if request_id not in h.node.timings:
+        if request_id not in h.node.requests:
             return
         h.node.step()
     raise AssertionError(f"{request_id} never ended")
@@ -79,7 +79,7 @@ def test_a_transfer_its_sender_aborts_frees_the_blocks_and_sends_the_router_noth
     )
     try:
         blocks = list(range(len(reserved)))
-        sender.begin(reservation.request_id, h.node.receiver.address, blocks, reserved)
+        sender.begin(reservation.request_id, h.node.admission.receiver.address, blocks, reserved)
         sender.abort(reservation.request_id, "finished at the first token")
         sender.flush()  # hands the abort frame to zmq
         step_until_ended(h, reservation.request_id)
@@ -127,7 +127,7 @@ def test_a_first_token_that_finishes_the_request_frees_the_decode_reservation_at
     decode_node = DecodeNode(decode_config, engine_config(model_dir))
     prefill_node = PrefillNode(prefill_config, engine_config(model_dir))
     if transport == "cuda_ipc":
-        decode_node.receiver._grace_s = FOREVER_S  # only the prefill node's word frees it
+        decode_node.admission.receiver._grace_s = FOREVER_S  # only the prefill node's word frees it
     try:
         free_at_start = decode_node.worker.allocator.num_available
         prompt = list(range(10, 50))
@@ -135,18 +135,17 @@ def test_a_first_token_that_finishes_the_request_frees_the_decode_reservation_at
         decode_node.handle(DecodeRequest("one", prompt, sampling, prefill_config.control_address))
         prefill_node.handle(
             PrefillRequest("one", prompt, sampling, decode_config.control_address,
-                           decode_node.receiver.address)
+                           decode_node.admission.receiver.address)
         )  # fmt: skip
         for _ in range(MAX_STEPS):
             decode_node.step()
             prefill_node.step()
-            decode_ended = not decode_node.timings and not decode_node.quarantined
-            if decode_ended and not prefill_node.jobs:
+            if not decode_node.requests and not prefill_node.jobs:
                 break
         else:
             raise AssertionError(
-                f"still held: decode {list(decode_node.timings)} quarantined "
-                f"{list(decode_node.quarantined)}, prefill {list(prefill_node.jobs)}"
+                f"still held: decode {list(decode_node.requests)}, "
+                f"prefill {list(prefill_node.jobs)}"
             )
         assert decode_node.worker.allocator.num_available == free_at_start
         assert prefill_node.worker.allocator.stats().num_used == 0
@@ -157,8 +156,6 @@ def test_a_first_token_that_finishes_the_request_frees_the_decode_reservation_at
         assert isinstance(error, RequestError) and error.request_id == "marker", error
     finally:
         for node in (decode_node, prefill_node):
+            node.close()
             node.channel.close()
-            node.worker.close()
-        decode_node.receiver.close()
-        prefill_node.sender.close()
         router.close(linger=0)
