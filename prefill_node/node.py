@@ -18,14 +18,13 @@ from common.node.config import NodeConfig
 from common.node.loop import NodeLoop
 from common.protocol.messages import (
     Abort,
-    FirstToken,
     PrefillRequest,
     RequestError,
     Reservation,
 )
 from kv_transfer import TransferConfig, TransferState, create_sender
 from kv_transfer.tp import TPSender, check_transport, prefill_rank_handler, rank_transfer
-from prefill_node.jobs import EndedRequests, PrefillJob, check_reserved
+from prefill_node.jobs import EndedRequests, PrefillJob, check_reserved, first_token
 
 log = logging.getLogger(__name__)
 
@@ -243,27 +242,8 @@ class PrefillNode:
         if ships and job.transfer_error is not None:  # _before_launch's begin was refused
             self._fail(seq.request_id, f"KV transfer failed: {job.transfer_error}", 500)
             return
-        token = seq.output_token_ids[0]
-        logprob = seq.output_logprobs[0] if seq.output_logprobs else None
-        top = seq.output_top_logprobs[0] if seq.output_top_logprobs else None
-        top = [[t, lp] for t, lp in top] if top is not None else None
-        timing = {
-            "node_decode": job.decode_s,
-            "prefill_queue": job.scheduled_at - job.arrived_at,
-            "prefill_compute": job.first_token_at - job.scheduled_at,
-        }
-        self.channel.to_router(
-            FirstToken(
-                request_id=seq.request_id,
-                token_id=token,
-                logprob=logprob,
-                top_logprobs=top,
-                finished=finished,
-                finish_reason=seq.finish_reason.value if finished else None,
-                num_cached_tokens=seq.num_cached_tokens,
-                timing=timing,
-            )
-        )
+        first = first_token(seq, job)
+        self.channel.to_router(first)
         if not ships:
             # Stop the transfer (begun if this step streamed) and release the decode node's
             # reservation.
@@ -272,10 +252,10 @@ class PrefillNode:
             self._drop(job)
             return
         metadata = {
-            "first_token": token,
-            "logprob": logprob,
-            "top_logprobs": top,
-            "timing": timing,
+            "first_token": first.token_id,
+            "logprob": first.logprob,
+            "top_logprobs": first.top_logprobs,
+            "timing": first.timing,
             # Same host only: the decode node compares it with its own monotonic clock.
             "first_token_at": job.first_token_at,
             "host_id": HOST_ID,
