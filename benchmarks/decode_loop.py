@@ -3,7 +3,7 @@
 A `DecodeNode` (PD mode, zmq transport) runs in this process; a thread stands in for the router
 and the prefill node and drains what the node sends them. Requests enter exactly as after a KV
 transfer: `DecodeNode.handle(DecodeRequest)` (parsing, validation, reservation queue), then
-`ReservationQueue.reserve_next` (blocks) and `DecodeNode._transfer_ended` with a DONE transfer
+`ReservationQueue.reserve_next` (blocks) and `PDAdmission._transfer_ended` with a DONE transfer
 (admission with the first token); only the KV bytes are not moved: the pool's random contents
 stand in for them. Each request draws max_tokens in [lo, hi], so requests finish and are
 replaced while the loop runs. A step is one `DecodeNode.step()`: inbox, receiver, schedule,
