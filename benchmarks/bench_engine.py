@@ -161,7 +161,7 @@ def bench_decode_loop(args, ceil: dict | None, worker) -> list[dict]:
         return rows
     finally:
         drain.stop()
-        node.receiver.close()
+        node.admission.close()
         node.channel.close()
 
 

@@ -44,7 +44,7 @@ def prefill_rows(tokens: int, repeats: int) -> dict[str, float]:
     rng = random.Random(0)
     ids = [rng.randrange(150_000) for _ in range(tokens)]
     array = int_array(ids)
-    sampling = dict(vars(SamplingParams(temperature=0.7, top_p=0.9, max_tokens=256)))
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=256)
     message = PrefillRequest("cmpl-" + "0" * 32, array, sampling, "tcp://d:1", "tcp://d:2")
     frame = encode(message)
     assert decode(frame).prompt_token_ids.tolist() == ids

@@ -105,7 +105,7 @@ def bench_decode(args, ceil: dict | None, peer: float | None) -> list[dict]:
             print("decode loop:", row, flush=True)
     finally:
         drain.stop()
-        node.receiver.close()
+        node.admission.close()
         node.channel.close()
         worker.close()
     return rows

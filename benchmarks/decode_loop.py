@@ -3,7 +3,7 @@
 A `DecodeNode` (PD mode, zmq transport) runs in this process; a thread stands in for the router
 and the prefill node and drains what the node sends them. Requests enter exactly as after a KV
 transfer: `DecodeNode.handle(DecodeRequest)` (parsing, validation, reservation queue), then
-`ReservationQueue.reserve_next` (blocks) and `DecodeNode._transfer_ended` with a DONE transfer
+`ReservationQueue.reserve_next` (blocks) and `PDAdmission._transfer_ended` with a DONE transfer
 (admission with the first token); only the KV bytes are not moved: the pool's random contents
 stand in for them. Each request draws max_tokens in [lo, hi], so requests finish and are
 replaced while the loop runs. A step is one `DecodeNode.step()`: inbox, receiver, schedule,
@@ -29,6 +29,7 @@ from common.engine.worker import Worker
 from common.node.config import NodeConfig
 from common.protocol.messages import DecodeRequest
 from common.protocol.sampling_params import SamplingParams
+from decode_node import choices
 from decode_node.node import DecodeNode
 from kv_transfer import Transfer, TransferState
 
@@ -125,14 +126,16 @@ class LoopDriver:
         rid = f"bench-{i}"
         start = self.rng.randrange(len(self.prompt_pool) - self.context)
         prompt = self.prompt_pool[start : start + self.context - 1].astype(np.int32)
-        sampling = dict(vars(self.params_fn(self.rng, self.lo, self.hi, i)))
+        sampling = self.params_fn(self.rng, self.lo, self.hi, i)
         node.handle(DecodeRequest(rid, prompt, sampling, self.prefill))
-        pending = node.reservations.reserve_next()
-        assert pending is not None, "KV pool too small for the benchmark batch"
-        node.timings[rid].reserved_at = pending.reserved_at
-        done = Transfer(rid, pending.block_ids, 0, time.monotonic() + 60)
+        admission = node.admission  # PDAdmission; its receiver is bypassed
+        request = admission.queue.reserve_next()
+        assert request is not None, "KV pool too small for the benchmark batch"
+        admission.num_reserved += 1  # as PDAdmission.poll counts a reservation
+        done = Transfer(rid, request.block_ids, 0, time.monotonic() + 60)
         done.state, done.metadata = TransferState.DONE, {"first_token": int(prompt[0])}
-        node._transfer_ended(done)
+        admission._transfer_ended(request, done)
+        choices.fork(node.scheduler, request, request.seq)
         self.admitted += 1
 
     def top_up(self, batch: int) -> None:
@@ -186,7 +189,7 @@ class LoopDriver:
 
     def drain(self) -> None:
         """Finish every running request (between runs: a new batch size or parameter mix)."""
-        for rid in list(self.node.timings):
+        for rid in list(self.node.requests):
             self.node._abort(rid)
         while self.node.core.has_work():
             self.node.step()

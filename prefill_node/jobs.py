@@ -7,7 +7,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from common.engine.sequence import Sequence
-from common.protocol.messages import PrefillRequest
+from common.protocol.messages import FirstToken, PrefillRequest
 
 ENDED_MEMORY = 10_000
 
@@ -24,7 +24,27 @@ class PrefillJob:
     decode_s: float = 0.0  # parsing the PrefillRequest
     transferring: bool = False
     transfer_error: str | None = None  # the sender refused to begin the transfer (a bug)
-    deadline: float | None = None  # monotonic; past it the job is failed (see _expire_jobs)
+    deadline: float | None = None  # monotonic; past it the job is failed (see PrefillNode.expire)
+
+
+def first_token(seq: Sequence, job: PrefillJob) -> FirstToken:
+    """The router's FirstToken for `job`, whose sequence just sampled its first token."""
+    finished = seq.finish_reason is not None
+    top = seq.output_top_logprobs[0] if seq.output_top_logprobs else None
+    return FirstToken(
+        request_id=seq.request_id,
+        token_id=seq.output_token_ids[0],
+        logprob=seq.output_logprobs[0] if seq.output_logprobs else None,
+        top_logprobs=[[t, lp] for t, lp in top] if top is not None else None,
+        finished=finished,
+        finish_reason=seq.finish_reason.value if finished else None,
+        num_cached_tokens=seq.num_cached_tokens,
+        timing={
+            "node_decode": job.decode_s,
+            "prefill_queue": job.scheduled_at - job.arrived_at,
+            "prefill_compute": job.first_token_at - job.scheduled_at,
+        },
+    )
 
 
 def check_reserved(block_ids: list[int], needed: int) -> None:

@@ -15,25 +15,22 @@ from common.engine.tp_ranks import RankRole
 from common.engine.worker import Worker
 from common.node.channel import HOST_ID, NodeChannel, runtime_info
 from common.node.config import NodeConfig
-from common.node.lifecycle import Lifecycle
+from common.node.loop import NodeLoop
 from common.protocol.messages import (
     Abort,
-    FirstToken,
     PrefillRequest,
     RequestError,
     Reservation,
 )
-from common.protocol.sampling_params import SamplingParams
 from kv_transfer import TransferConfig, TransferState, create_sender
 from kv_transfer.tp import TPSender, check_transport, prefill_rank_handler, rank_transfer
-from prefill_node.jobs import EndedRequests, PrefillJob, check_reserved
+from prefill_node.jobs import EndedRequests, PrefillJob, check_reserved, first_token
 
 log = logging.getLogger(__name__)
 
 ENDED_BEFORE_TRANSFER = "the request ended on the prefill node before its transfer began"
 IDLE_WAIT_S = 0.01  # inbox wait of an idle loop
 TRANSFER_WAIT_S = 0.001  # ... of a loop with nothing to compute but transfers in flight
-EXPIRY_INTERVAL_S = 0.1  # how often jobs are checked against their deadlines
 
 
 class PrefillNode:
@@ -67,37 +64,31 @@ class PrefillNode:
         self._stream_min_tokens = (
             node_config.ipc_stream_min_tokens if node_config.transport == "cuda_ipc" else 0
         )
-        self.lifecycle = Lifecycle(node_config.drain_timeout_s)
-        self._last_expiry = 0.0
+        self.loop = NodeLoop(self, self.channel, node_config.drain_timeout_s)
         # Counters since start, reported in the heartbeat load (the router's /metrics).
         self.stats: Counter[str] = Counter()
 
-    # -- loop -------------------------------------------------------------------------------
+    # -- the NodeLoop's role ----------------------------------------------------------------
     def run(self) -> None:
-        self.lifecycle.install_signal_handlers()
-        log.info("prefill node %s ready", self.channel.node_id)
-        self.channel.start_heartbeat(self.info, self._load())
-        try:
-            while not self.lifecycle.should_exit(idle=not self.jobs):
-                self.step()
-        finally:
-            self.sender.close()
-            self.channel.close()
-            self.worker.close()  # stops its tensor-parallel ranks
+        self.loop.run(self.info)
 
     def stop(self) -> None:
-        self.lifecycle.stop()
+        self.loop.stop()
 
     def step(self) -> None:
-        for message, decode_s in self.channel.receive_timed(timeout_s=self._inbox_wait()):
-            self.handle(message, decode_s)
-        if self.core.has_work():
-            self._run_batch()
-        self._reap_transfers()
-        self._expire_jobs()
-        self.channel.publish_load(self._load)
+        self.loop.step()
 
-    def _inbox_wait(self) -> float:
+    def idle(self) -> bool:
+        return not self.jobs
+
+    def has_work(self) -> bool:
+        return self.core.has_work()
+
+    def close(self) -> None:
+        self.sender.close()
+        self.worker.close()  # stops its tensor-parallel ranks
+
+    def inbox_wait(self) -> float:
         """No wait while there are steps to run. Short while transfers are in flight (a sender
         moves them on, queued frames and completion notices, only when called, and their
         completion is on the path to the decode node's next token) or while the engine is
@@ -164,12 +155,8 @@ class PrefillNode:
         if address is not None and isinstance(message, (PrefillRequest, Reservation)):
             self.sender.decline(request_id, address, ENDED_BEFORE_TRANSFER)
 
-    def _expire_jobs(self) -> None:
+    def expire(self, now: float) -> None:
         """Fail jobs past their deadline: the router gave up on them (its abort may be lost)."""
-        now = time.monotonic()
-        if now - self._last_expiry < EXPIRY_INTERVAL_S:
-            return
-        self._last_expiry = now
         for job in [j for j in self.jobs.values() if j.deadline is not None and now > j.deadline]:
             self.stats["expired_requests"] += 1
             self._fail(job.request_id, "the request passed its deadline on the prefill node", 504)
@@ -179,8 +166,7 @@ class PrefillNode:
             return
         req = job.request
         try:
-            params = SamplingParams(**req.sampling)
-            seq = self.worker.new_sequence(req.request_id, req.prompt_token_ids, params)
+            seq = self.worker.new_sequence(req.request_id, req.prompt_token_ids, req.sampling)
             needed = self.scheduler.blocks_for(len(req.prompt_token_ids))
             check_reserved(job.reserved_blocks, needed)
             self.scheduler.add(seq)
@@ -189,7 +175,7 @@ class PrefillNode:
             return
         job.seq = seq
 
-    def _run_batch(self) -> None:
+    def engine_step(self) -> None:
         for out in self.core.step(before_launch=self._before_launch):
             if out.error is not None:
                 for item in out.batch.items:
@@ -223,7 +209,7 @@ class PrefillNode:
         def hook(layer: int) -> None:
             for rid in shipping:
                 self.sender.send_layer(rid, layer)
-            self.channel.publish_load(self._load)  # live load during a long step
+            self.channel.publish_load(self.loop.load)  # live load during a long step
 
         return hook
 
@@ -256,27 +242,8 @@ class PrefillNode:
         if ships and job.transfer_error is not None:  # _before_launch's begin was refused
             self._fail(seq.request_id, f"KV transfer failed: {job.transfer_error}", 500)
             return
-        token = seq.output_token_ids[0]
-        logprob = seq.output_logprobs[0] if seq.output_logprobs else None
-        top = seq.output_top_logprobs[0] if seq.output_top_logprobs else None
-        top = [[t, lp] for t, lp in top] if top is not None else None
-        timing = {
-            "node_decode": job.decode_s,
-            "prefill_queue": job.scheduled_at - job.arrived_at,
-            "prefill_compute": job.first_token_at - job.scheduled_at,
-        }
-        self.channel.to_router(
-            FirstToken(
-                request_id=seq.request_id,
-                token_id=token,
-                logprob=logprob,
-                top_logprobs=top,
-                finished=finished,
-                finish_reason=seq.finish_reason.value if finished else None,
-                num_cached_tokens=seq.num_cached_tokens,
-                timing=timing,
-            )
-        )
+        first = first_token(seq, job)
+        self.channel.to_router(first)
         if not ships:
             # Stop the transfer (begun if this step streamed) and release the decode node's
             # reservation.
@@ -285,10 +252,10 @@ class PrefillNode:
             self._drop(job)
             return
         metadata = {
-            "first_token": token,
-            "logprob": logprob,
-            "top_logprobs": top,
-            "timing": timing,
+            "first_token": first.token_id,
+            "logprob": first.logprob,
+            "top_logprobs": first.top_logprobs,
+            "timing": first.timing,
             # Same host only: the decode node compares it with its own monotonic clock.
             "first_token_at": job.first_token_at,
             "host_id": HOST_ID,
@@ -301,7 +268,7 @@ class PrefillNode:
             self.sender.send_layers(seq.request_id, range(self.num_layers))
         self.sender.complete(seq.request_id, metadata)
 
-    def _reap_transfers(self) -> None:
+    def poll_transport(self) -> None:
         for transfer in self.sender.poll():
             job = self.jobs.get(transfer.request_id)
             if job is None:
@@ -351,7 +318,7 @@ class PrefillNode:
             self.worker.allocator.free(seq.block_ids)
             seq.block_ids = []
 
-    def _load(self) -> dict[str, int | float]:
+    def load(self) -> dict[str, int | float]:
         allocator = self.worker.allocator
         stats = allocator.stats()
         queued = sum(s.num_pending_tokens for s in self.scheduler.waiting)
@@ -368,6 +335,5 @@ class PrefillNode:
             "transferring": sum(1 for j in self.jobs.values() if j.transferring),
             "invalid_messages": self.channel.invalid_messages,
             "undelivered_messages": self.channel.undelivered_messages,
-            "draining": self.lifecycle.draining,
             **self.stats,
         }

@@ -185,7 +185,7 @@ class RouterCore:
         pd = route.prefill is not None
         self.admission.check(pd)
         ids = int_array(prepared.prompt_token_ids)  # converted once, sent as raw int32 bytes
-        sampling = dict(vars(prepared.params))  # flat: no deep copy
+        sampling = prepared.params
         queue = self.events.open(request_id, route.nodes)
         try:
             self.link.send(

@@ -18,7 +18,9 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from common.engine.config import CacheConfig, EngineConfig, ModelConfig
 from common.node.config import NodeConfig
 from common.protocol.messages import DecodeRequest, FirstToken, PrefillRequest, Reservation, decode
+from common.protocol.sampling_params import SamplingParams
 from decode_node.node import DecodeNode
+from decode_node.request import Phase
 from kv_transfer import Transfer, TransferConfig, TransferState, create_receiver
 from prefill_node.node import PrefillNode
 from tests.tiny_models import TINY_SHAPE
@@ -74,7 +76,7 @@ class PrefillHarness:
     def request(self, request_id: str, num_blocks: int) -> PrefillRequest:
         """The router's request for a prompt of `num_blocks` blocks (the last one partial)."""
         prompt = list(range(10, 10 + (num_blocks - 1) * BLOCK_SIZE + 5))
-        sampling = {"max_tokens": 4, "temperature": 0}
+        sampling = SamplingParams(max_tokens=4, temperature=0)
         return PrefillRequest(
             request_id, prompt, sampling, self.decode_address, self.receiver.address
         )
@@ -149,8 +151,8 @@ class DecodeHarness:
     def request(self, request_id: str, prefill_node: str | None = None) -> DecodeRequest:
         """The router's request for a 40-token prompt (3 blocks) prefilled by `prefill_node`
         (default: the test's socket; colocated: none)."""
-        prompt, sampling = list(range(10, 50)), {"max_tokens": 4}
-        if self.node.colocated:
+        prompt, sampling = list(range(10, 50)), SamplingParams(max_tokens=4)
+        if self.node.config.colocated:
             return DecodeRequest(request_id, prompt, sampling, None)
         return DecodeRequest(request_id, prompt, sampling, prefill_node or self.prefill_address)
 
@@ -165,10 +167,11 @@ class DecodeHarness:
     def blocks_used(self) -> int:
         return self.node.worker.allocator.stats().num_used
 
+    def quarantined(self) -> list[str]:
+        return [r.id for r in self.node.requests.values() if r.phase is Phase.QUARANTINED]
+
     def close(self) -> None:
-        if self.node.receiver is not None:
-            self.node.receiver.close()
+        self.node.close()
         self.node.channel.close()
-        self.node.worker.close()
         self.router.close(linger=0)
         self.prefill.close(linger=0)

@@ -116,9 +116,9 @@ def generation_script(
             return []
         sampling = message.sampling
         answer, reason = list(tokens), finish_reason
-        if obey_max_tokens and len(answer) > sampling["max_tokens"]:
-            answer, reason = answer[: sampling["max_tokens"]], "length"
-        wants = sampling.get("logprobs") is not None
+        if obey_max_tokens and len(answer) > sampling.max_tokens:
+            answer, reason = answer[: sampling.max_tokens], "length"
+        wants = sampling.logprobs is not None
         events: list[Any] = []
         for i, token in enumerate(answer):
             last = i == len(answer) - 1

@@ -20,8 +20,9 @@ from common.protocol.messages import (
     encode,
     int_array,
 )
+from common.protocol.sampling_params import SamplingParams
 
-SAMPLING = {"temperature": 0.0, "max_tokens": 8, "stop": ["x"]}
+SAMPLING = SamplingParams(temperature=0.0, max_tokens=8, stop=["x"], logit_bias={7: -1.5})
 
 
 def roundtrip(message):
@@ -55,7 +56,8 @@ def test_token_ids_travel_as_one_bin_of_little_endian_int32():
     frame = encode(PrefillRequest("r", ids, SAMPLING, "tcp://d", "tcp://d-kv"))
     raw = msgpack.unpackb(frame)
     assert raw["prompt_token_ids"] == np.asarray(ids, dtype="<i4").tobytes()
-    assert len(frame) < 4 * len(ids) + 200  # no per-token encoding
+    empty = encode(PrefillRequest("r", [], SAMPLING, "tcp://d", "tcp://d-kv"))
+    assert len(frame) <= len(empty) + 4 * len(ids) + 4  # no per-token encoding
     back = decode(frame)
     assert not back.prompt_token_ids.flags.writeable  # a view of the frame, read-only
 
@@ -92,6 +94,10 @@ def frame_with(message, **fields) -> bytes:
         ({"request_id": 5}, "request_id: wrong type"),
         ({"sampling": {1: 2}}, "undecodable frame"),  # non-str map key: msgpack refuses
         ({"sampling": [1]}, "sampling: wrong type"),
+        ({"sampling": {"temperature": "hot"}}, r"sampling: SamplingParams\.temperature: wrong"),
+        ({"sampling": {"logit_bias": [[1, 2, 3]]}}, "SamplingParams.logit_bias: wrong type"),
+        ({"sampling": {"top_p": 0.0}}, r"sampling: SamplingParams: top_p must be in \(0, 1\]"),
+        ({"sampling": {"surprise": 1}}, "SamplingParams: unknown fields"),
         ({"surprise": 1}, "unknown fields"),
         ({"type": "Nope"}, "unknown message type"),
     ],
@@ -100,6 +106,12 @@ def test_hostile_frames_are_refused_with_a_clear_error(fields, error):
     message = PrefillRequest("r", [1, 2], SAMPLING, "tcp://d", "tcp://d-kv")
     with pytest.raises(MessageError, match=error):
         decode(frame_with(message, **fields))
+
+
+def test_sampling_params_arrive_as_sampling_params_equal_to_the_sent_ones():
+    back = roundtrip(DecodeRequest("r", [1], SAMPLING, None)).sampling
+    assert isinstance(back, SamplingParams) and back == SAMPLING
+    assert back.logit_bias == [(7, -1.5)]  # pairs again, not msgpack's lists
 
 
 def test_missing_fields_and_garbage_are_refused():

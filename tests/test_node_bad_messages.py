@@ -132,13 +132,13 @@ def test_a_decode_request_naming_no_reachable_prefill_node_gets_a_503(decode_nod
     (a cancel would hold them for its grace period, here a year)."""
     h = decode_node(transport)
     if transport == "cuda_ipc":
-        h.node.receiver._grace_s = FOREVER_S
+        h.node.admission.receiver._grace_s = FOREVER_S
     h.node.handle(h.request("lost", prefill_node="bogus"))
     h.node.step()
     error = decode(h.router.recv())
     assert isinstance(error, RequestError) and error.request_id == "lost", error
     assert error.status == 503 and error.message == "cannot reach prefill node 'bogus'"
-    assert h.blocks_used() == 0 and not h.node.timings and not h.node.reservations.reserved
+    assert h.blocks_used() == 0 and not h.node.requests and not h.node.admission.num_reserved
     h.reserves("lost")  # the receiver forgot the id: it may come again
 
 
@@ -147,14 +147,14 @@ def test_a_request_id_whose_transfer_is_still_quarantined_is_refused_as_a_duplic
     (here never). The same id again used to pass `_accept`, and the receiver's "already
     active" ValueError at the next reservation ended the process."""
     h = decode_node("cuda_ipc")
-    h.node.receiver._grace_s = FOREVER_S
+    h.node.admission.receiver._grace_s = FOREVER_S
     h.reserves("again")
     h.node.handle(Abort("again"))
-    assert list(h.node.quarantined) == ["again"]
+    assert h.quarantined() == ["again"]
     h.node.handle(h.request("again"))
     h.node.step()
     error = decode(h.router.recv())
     assert isinstance(error, RequestError) and error.request_id == "again", error
     assert error.status == 400 and error.message == "duplicate request id 'again'"
-    assert list(h.node.quarantined) == ["again"] and not h.node.timings
+    assert h.quarantined() == ["again"] and list(h.node.requests) == ["again"]
     h.reserves("other")

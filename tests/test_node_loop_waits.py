@@ -29,10 +29,10 @@ def test_a_prefill_node_whose_prompt_waits_for_blocks_waits_on_its_inbox(model_d
         h.receiver.expect("waits", [7, 8])
         h.node.handle(h.request("waits", num_blocks=2))
         h.node.handle(h.reservation("waits", [7, 8]))
-        assert h.node._inbox_wait() == 0.0  # a step to try
+        assert h.node.inbox_wait() == 0.0  # a step to try
         for _ in range(3):
             h.node.step()
-            assert h.node.core.stalled and h.node._inbox_wait() == TRANSFER_WAIT_S
+            assert h.node.core.stalled and h.node.inbox_wait() == TRANSFER_WAIT_S
         allocator.free(held)
         h.node.step()
         assert not h.node.core.stalled
@@ -51,13 +51,13 @@ def test_a_colocated_node_whose_prompt_waits_for_blocks_waits_on_its_inbox(model
         allocator = h.node.worker.allocator
         held = allocator.allocate(allocator.num_available - 1)
         h.node.handle(h.request("waits"))
-        assert h.node._waits() == (0.0, 0.0)  # a step to try
+        assert h.node.inbox_wait() == 0.0  # a step to try
         for _ in range(3):
             h.node.step()
-            assert h.node.core.stalled and h.node._waits() != (0.0, 0.0)
+            assert h.node.core.stalled and h.node.inbox_wait() > 0.0
         allocator.free(held)
         for _ in range(MAX_STEPS):
-            if not h.node.timings:
+            if not h.node.requests:
                 break
             h.node.step()
         first = decode(h.router.recv())

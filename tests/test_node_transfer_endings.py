@@ -15,6 +15,7 @@ import torch
 
 from common.node.config import NodeConfig
 from common.protocol.messages import DecodeRequest, FirstToken, PrefillRequest, RequestError, decode
+from common.protocol.sampling_params import SamplingParams
 from decode_node.node import DecodeNode
 from kv_transfer import TransferConfig, create_sender
 from prefill_node.node import PrefillNode
@@ -26,6 +27,8 @@ from tests.node_harness import (
     pull,
     save_tiny_model,
 )
+
+OUT_OF_VOCAB = 10**6  # the tiny model's vocabulary has 256 tokens
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +51,7 @@ def harness(model_dir, tmp_path):
 
 def step_until_ended(h: DecodeHarness, request_id: str) -> None:
     for _ in range(MAX_STEPS):
-        if request_id not in h.node.timings:
+        if request_id not in h.node.requests:
             return
         h.node.step()
     raise AssertionError(f"{request_id} never ended")
@@ -56,8 +59,8 @@ def step_until_ended(h: DecodeHarness, request_id: str) -> None:
 
 def next_router_message(h: DecodeHarness) -> object:
     """What the node sent the router first from now on, after a request it rejects at once
-    (invalid sampling parameters) marks the end of what came before."""
-    h.node.handle(DecodeRequest("marker", [1, 2], {"temperature": -1}, h.prefill_address))
+    (a token outside the vocabulary) marks the end of what came before."""
+    h.node.handle(DecodeRequest("marker", [OUT_OF_VOCAB], SamplingParams(), h.prefill_address))
     return decode(h.router.recv())
 
 
@@ -76,7 +79,7 @@ def test_a_transfer_its_sender_aborts_frees_the_blocks_and_sends_the_router_noth
     )
     try:
         blocks = list(range(len(reserved)))
-        sender.begin(reservation.request_id, h.node.receiver.address, blocks, reserved)
+        sender.begin(reservation.request_id, h.node.admission.receiver.address, blocks, reserved)
         sender.abort(reservation.request_id, "finished at the first token")
         sender.flush()  # hands the abort frame to zmq
         step_until_ended(h, reservation.request_id)
@@ -124,38 +127,35 @@ def test_a_first_token_that_finishes_the_request_frees_the_decode_reservation_at
     decode_node = DecodeNode(decode_config, engine_config(model_dir))
     prefill_node = PrefillNode(prefill_config, engine_config(model_dir))
     if transport == "cuda_ipc":
-        decode_node.receiver._grace_s = FOREVER_S  # only the prefill node's word frees it
+        decode_node.admission.receiver._grace_s = FOREVER_S  # only the prefill node's word frees it
     try:
         free_at_start = decode_node.worker.allocator.num_available
         prompt = list(range(10, 50))
-        sampling = {"max_tokens": 1, "temperature": 0}
+        sampling = SamplingParams(max_tokens=1, temperature=0)
         decode_node.handle(DecodeRequest("one", prompt, sampling, prefill_config.control_address))
         prefill_node.handle(
             PrefillRequest("one", prompt, sampling, decode_config.control_address,
-                           decode_node.receiver.address)
+                           decode_node.admission.receiver.address)
         )  # fmt: skip
         for _ in range(MAX_STEPS):
             decode_node.step()
             prefill_node.step()
-            decode_ended = not decode_node.timings and not decode_node.quarantined
-            if decode_ended and not prefill_node.jobs:
+            if not decode_node.requests and not prefill_node.jobs:
                 break
         else:
             raise AssertionError(
-                f"still held: decode {list(decode_node.timings)} quarantined "
-                f"{list(decode_node.quarantined)}, prefill {list(prefill_node.jobs)}"
+                f"still held: decode {list(decode_node.requests)}, "
+                f"prefill {list(prefill_node.jobs)}"
             )
         assert decode_node.worker.allocator.num_available == free_at_start
         assert prefill_node.worker.allocator.stats().num_used == 0
         first = decode(router.recv())
         assert isinstance(first, FirstToken) and first.finished and first.request_id == "one"
-        decode_node.handle(DecodeRequest("marker", [1, 2], {"temperature": -1}, None))
+        decode_node.handle(DecodeRequest("marker", [OUT_OF_VOCAB], SamplingParams(), None))
         error = decode(router.recv())
         assert isinstance(error, RequestError) and error.request_id == "marker", error
     finally:
         for node in (decode_node, prefill_node):
+            node.close()
             node.channel.close()
-            node.worker.close()
-        decode_node.receiver.close()
-        prefill_node.sender.close()
         router.close(linger=0)

@@ -10,6 +10,7 @@ import json
 import pytest
 
 from common.protocol.messages import DecodeRequest, PrefillRequest
+from common.protocol.sampling_params import SamplingParams
 from router.app import create_app
 from router.config import RouterConfig
 from tests.router_fakes import LoopbackNodes, ManualClock, generation_script
@@ -125,7 +126,7 @@ def test_vllm_bench_serve_completion_payload_is_served(app):
     response = call(app, "POST", TEXT, body)
     assert response.status_code == 200 and response.text.endswith("data: [DONE]\n\n")
     sampling = app.state.core.link.sent_of(PrefillRequest)[-1][1].sampling
-    assert sampling["ignore_eos"] is True and sampling["repetition_penalty"] == 1.0
+    assert sampling.ignore_eos is True and sampling.repetition_penalty == 1.0
 
 
 def test_vllm_bench_serve_chat_payload_with_content_parts_is_served(app, tokenizer):
@@ -156,9 +157,9 @@ def test_vllm_sampling_extensions_reach_the_nodes(app):
     assert call(app, "POST", TEXT, body).status_code == 200
     for kind in (PrefillRequest, DecodeRequest):
         sampling = app.state.core.link.sent_of(kind)[-1][1].sampling
-        assert sampling["repetition_penalty"] == 1.3 and sampling["min_tokens"] == 1
-        assert sampling["ignore_eos"] and sampling["stop_token_ids"] == [7, 9]
-        assert sampling["top_k"] == 5 and sampling["min_p"] == 0.1
+        assert sampling.repetition_penalty == 1.3 and sampling.min_tokens == 1
+        assert sampling.ignore_eos and sampling.stop_token_ids == [7, 9]
+        assert sampling.top_k == 5 and sampling.min_p == 0.1
 
 
 def test_add_special_tokens_false_drops_the_bos_of_a_text_prompt(app, tokenizer):
@@ -198,7 +199,7 @@ def test_skip_special_tokens_false_shows_special_tokens_in_the_text(source, toke
     assert hidden.json()["choices"][0]["text"] == " hello"
 
 
-def sent_sampling(app) -> dict:
+def sent_sampling(app) -> SamplingParams:
     return app.state.core.link.sent_of(PrefillRequest)[-1][1].sampling
 
 
@@ -207,10 +208,10 @@ def test_response_format_becomes_a_grammar_spec_for_both_nodes(app):
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
     assert call(app, "POST", CHAT, body_for(CHAT, response_format=fmt)).status_code == 200
     for kind in (PrefillRequest, DecodeRequest):
-        spec = app.state.core.link.sent_of(kind)[-1][1].sampling["structured"]
+        spec = app.state.core.link.sent_of(kind)[-1][1].sampling.structured
         assert spec["type"] == "json_schema" and json.loads(spec["schema"]) == schema
     assert call(app, "POST", TEXT, body_for(TEXT, response_format={"type": "json_object"}))
-    assert sent_sampling(app)["structured"] == {"type": "json_object"}
+    assert sent_sampling(app).structured == {"type": "json_object"}
 
 
 @pytest.mark.parametrize(
@@ -232,18 +233,18 @@ def test_forced_tool_choice_is_a_grammar_over_the_tool_calls(app):
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     body = body_for(CHAT, tools=[tool], tool_choice="required")
     assert call(app, "POST", CHAT, body).status_code == 200
-    schema = json.loads(sent_sampling(app)["structured"]["schema"])
+    schema = json.loads(sent_sampling(app).structured["schema"])
     assert schema["type"] == "array" and schema["minItems"] == 1
     named = {"type": "function", "function": {"name": "f"}}
     assert call(app, "POST", CHAT, body_for(CHAT, tools=[tool], tool_choice=named))
-    assert json.loads(sent_sampling(app)["structured"]["schema"]) == {"type": "object"}
+    assert json.loads(sent_sampling(app).structured["schema"]) == {"type": "object"}
     both = body_for(CHAT, tools=[tool], tool_choice=named, response_format={"type": "json_object"})
     assert_openai_error(call(app, "POST", CHAT, both), 400, "response_format")
 
 
 def test_logit_bias_reaches_the_nodes_as_pairs_and_bad_ones_are_400s(app):
     assert call(app, "POST", TEXT, body_for(TEXT, logit_bias={"42": -100, "7": 5.5}))
-    assert [list(p) for p in sent_sampling(app)["logit_bias"]] == [[42, -100.0], [7, 5.5]]
+    assert [list(p) for p in sent_sampling(app).logit_bias] == [[42, -100.0], [7, 5.5]]
     for bias in ({"x": 1}, {"1": 101}, {"49152": 1}):
         response = call(app, "POST", TEXT, body_for(TEXT, logit_bias=bias))
         assert_openai_error(response, 400, "logit_bias")

@@ -135,14 +135,14 @@ def test_pd_dispatch_sends_decode_then_prefill_request_with_sampling_fields(make
     assert (prefill.decode_node, prefill.decode_kv_address) == (D, f"{D}/kv")
     assert decode.prompt_token_ids.tolist() == prefill.prompt_token_ids.tolist() == [5, 6, 7]
     expected = {k: v for k, v in request.items() if k != "prompt"} | {"stop": ["zz"]}
-    assert {k: prefill.sampling[k] for k in expected} == expected
+    assert {k: getattr(prefill.sampling, k) for k in expected} == expected
     assert prefill.sampling == decode.sampling
 
 
 def test_default_max_tokens_is_the_remaining_context(make, answer_ids):
     app, _, link = make(generation_script(answer_ids), max_model_len=100)
     post(app, TEXT, {"prompt": list(range(1, 11))})
-    assert link.sent_of(DecodeRequest)[0][1].sampling["max_tokens"] == 90
+    assert link.sent_of(DecodeRequest)[0][1].sampling.max_tokens == 90
 
 
 def test_completion_accepts_token_ids_and_one_element_prompt_lists(make, answer_ids):
@@ -265,7 +265,7 @@ def test_chat_logprobs_are_returned_per_token(make, answer_ids):
     app, _, link = make(generation_script(answer_ids))
     request = {"messages": HI, "max_tokens": 3, "logprobs": True, "top_logprobs": 1}
     body = post(app, CHAT, request).json()
-    assert link.sent_of(PrefillRequest)[0][1].sampling["logprobs"] == 1
+    assert link.sent_of(PrefillRequest)[0][1].sampling.logprobs == 1
     content = body["choices"][0]["logprobs"]["content"]
     assert [e["token"] for e in content] == [" Hello", " world", ","]
     assert all(

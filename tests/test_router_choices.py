@@ -59,7 +59,7 @@ def test_n_choices_come_back_whole_with_usage_over_all_of_them(source, tokenizer
     assert texts == {i: t for i, t in ANSWERS.items()}
     tokens = sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in ANSWERS.values())
     assert body["usage"]["completion_tokens"] == tokens
-    assert link.sent_of(DecodeRequest)[0][1].sampling["n"] == 3
+    assert link.sent_of(DecodeRequest)[0][1].sampling.n == 3
 
 
 def test_a_choice_cut_by_a_stop_string_stops_only_its_sample(source, tokenizer):

@@ -6,6 +6,10 @@ every field's type before building the dataclass, so a malformed or hostile fram
 `MessageError` instead of reaching node logic. With a cluster secret set, frames are signed
 (`common.protocol.wire_auth`) and an unsigned or forged one is a `MessageError` too.
 
+`SamplingParams` fields travel as a map of its fields and are rebuilt on receipt with the same
+per-field type checks, then its own value checks: the receiving node gets a validated
+`SamplingParams` or a `MessageError`.
+
 Integer arrays (prompt token ids, block ids, a step's sampled tokens) are `IntArray` fields:
 1-D little-endian int32 numpy arrays that travel as one msgpack `bin` of their raw bytes.
 Encoding one is a memcpy and checking one on receipt is O(1) Python (its byte length); the
@@ -33,6 +37,7 @@ from typing import Any, NewType
 import msgpack
 import numpy as np
 
+from common.protocol.sampling_params import SamplingParams
 from common.protocol.wire_auth import SIGNER, SignatureError
 
 INT_DTYPE = np.dtype("<i4")
@@ -73,7 +78,7 @@ def _coerce_arrays(message: Any, *names: str) -> None:
 class PrefillRequest:
     request_id: str
     prompt_token_ids: IntArray
-    sampling: dict[str, Any]  # SamplingParams fields
+    sampling: SamplingParams
     decode_node: str  # control address of the decode node that reserved / will reserve blocks
     decode_kv_address: str  # where that decode node receives KV
     deadline_s: float | None = None  # seconds left at dispatch; the node drops it after that
@@ -86,7 +91,7 @@ class PrefillRequest:
 class DecodeRequest:
     request_id: str
     prompt_token_ids: IntArray
-    sampling: dict[str, Any]
+    sampling: SamplingParams
     prefill_node: str | None  # control address of the prefill node; None = prefill locally
     deadline_s: float | None = None  # seconds left at dispatch; the node drops it after that
 
@@ -230,7 +235,11 @@ def encode(message: Any) -> bytes:
     body: dict[str, Any] = {"type": type(message).__name__}
     for name in names:
         value = getattr(message, name)
-        body[name] = value.data if isinstance(value, np.ndarray) else value
+        if isinstance(value, np.ndarray):
+            value = value.data
+        elif isinstance(value, SamplingParams):
+            value = vars(value)  # flat: its lists and tuples pack as msgpack arrays
+        body[name] = value
     return SIGNER.sign(msgpack.packb(body, use_bin_type=True))
 
 
@@ -264,13 +273,16 @@ def from_fields(cls: type, raw: dict[str, Any]) -> Any:
     if missing:
         raise MessageError(f"{cls.__name__}: missing field {sorted(missing)[0]!r}")
     for name, value in raw.items():
-        ok, converted = checks[name](value)
+        try:
+            ok, converted = checks[name](value)
+        except MessageError as exc:  # a nested message's field
+            raise MessageError(f"{cls.__name__}.{name}: {exc}") from None
         if not ok:
             raise MessageError(f"{cls.__name__}.{name}: wrong type {type(value).__name__}")
         raw[name] = converted
     try:
         return cls(**raw)
-    except MessageError as exc:
+    except ValueError as exc:  # MessageError included; SamplingParams' value checks raise it
         raise MessageError(f"{cls.__name__}: {exc}") from None
 
 
@@ -309,9 +321,22 @@ def _check_bytes_array(value: Any) -> tuple[bool, Any]:
     return True, np.frombuffer(value, dtype=INT_DTYPE)
 
 
+def _check_nested(cls: type) -> Check:
+    """A dataclass carried as a map of its fields (SamplingParams)."""
+
+    def check(value: Any) -> tuple[bool, Any]:
+        if type(value) is not dict:
+            return False, value
+        return True, from_fields(cls, value)
+
+    return check
+
+
 def _check_for(hint: Any) -> Check:
     if hint is IntArray:
         return _check_bytes_array
+    if dataclasses.is_dataclass(hint):
+        return _check_nested(hint)
     test = _predicate(hint)
     return lambda value: (test(value), value)
 
@@ -336,6 +361,13 @@ def _predicate(hint: Any) -> Callable[[Any], bool]:
         return lambda v: type(v) is str
     if hint is bool:
         return lambda v: type(v) is bool
+    if origin is tuple:  # fixed length; msgpack carries a tuple as an array
+        tests = [_predicate(a) for a in typing.get_args(hint)]
+        return lambda v: (
+            type(v) in (list, tuple)
+            and len(v) == len(tests)
+            and all(t(x) for t, x in zip(tests, v, strict=True))
+        )
     if origin is list:
         (item,) = typing.get_args(hint)
         test = _predicate(item)
