@@ -14,10 +14,9 @@ Ownership: the prefill node keeps its source blocks until its sender reports the
 terminal (or `abort()` returned), then frees them. The decode node frees its reserved blocks
 when its receiver reports FAILED or after `cancel()`; on DONE they belong to the request.
 
-Transports (`TransferConfig.transport`): "zmq" (sockets, works across hosts), "cuda_ipc" (one
-host, straight into the decode GPU's pool), "nixl" (NIXL WRITEs into the decode pool, any host;
-the optional nixl package) and "loopback" (in-process, for tests). `create_sender` / `create_receiver` look them up in `TRANSPORTS`.
-The state machine, frames and ledgers import no torch; the transports are loaded on first use.
+Transports (`TRANSPORTS`): "zmq" (across hosts), "cuda_ipc" (one host, straight into the decode
+GPU's pool), "nixl" (NIXL WRITEs, any host) and "loopback" (in-process, tests). The state
+machine, frames and ledgers import no torch; the transports are loaded on first use.
 """
 
 from typing import TYPE_CHECKING

@@ -5,10 +5,9 @@ the layer's K and V of the request's blocks; "complete" and "abort" travel alone
 checks every field's type, so what reaches the receiver's logic is well-typed; whether it fits
 the expected transfer and the pool is the receiver's check.
 
-Between different TP sizes each prefill rank ships the KV heads its pool holds: a layer frame
-carries `head_start` (the model's KV head number of its first head; `shape[3]` heads follow),
-and each sending rank ends with its own "complete" that says how many ranks send (`senders`). With a cluster secret set, headers
-are signed (`common.protocol.wire_auth`); payload frames are not.
+Between different TP sizes each prefill rank ships the KV heads its pool holds (a layer frame's
+`head_start`) and ends with its own "complete" that says how many ranks send (`senders`). With
+a cluster secret set, headers are signed (`common.protocol.wire_auth`); payload frames are not.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ side stream that first waits for the compute stream (an event, not a host sync),
 returns at once and never delays compute. The event it returns completes once the bytes are in
 the remote pool; events of one writer complete in issue order, so the latest covers them all.
 
-Allocator contract: the block pairs are uploaded on the side stream and used only there.
-No host synchronization happens here; the pairs go up through pinned memory, asynchronously.
+Allocator contract: the block pairs are uploaded (pinned, asynchronously) on the side stream and
+used only there.
 """
 
 from __future__ import annotations

@@ -103,7 +103,6 @@ class LoopbackReceiver(KVReceiver):
             self._inbox.append(frame)
             self._cond.notify_all()
 
-    # -- internals --------------------------------------------------------------------------
     def _process_inbox(self) -> None:
         while self._inbox:
             try:

@@ -1,9 +1,8 @@
 """`create_app(config)`: the FastAPI application of the router.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
-GET /metrics, POST /tokenize, POST /detokenize, GET /version. Every error leaves as OpenAI-shaped JSON; nothing a request does can stop the
-server. The ZMQ sockets are opened at startup unless a `link` is injected (tests), in which
-case the caller feeds events through `app.state.core.on_message` and sweeps liveness itself.
+Every error leaves as OpenAI-shaped JSON; nothing a request does can stop the server. The ZMQ
+sockets are opened at startup unless a `link` is injected (tests); then the caller feeds events
+through `app.state.core.on_message` and sweeps liveness itself.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """OpenAI request schemas (strict types: a string where a number belongs is a 400, not a guess).
 
-No field is silently ignored. A field this module does not know is a 400 that names it
-(`extra="forbid"`); a known field that pdserve does not implement is accepted only at its
-neutral value (`null`, `false`, 1, ...) and refused otherwise by `router.prepare.refuse_unsupported`.
-The few fields kept only for compatibility (`user`, `store`, `metadata`, ...) do not change
-the output. Every field is optional where OpenAI lets clients send `null`; defaults are
-applied in `router.prepare`.
+No field is silently ignored: an unknown field is a 400 that names it (`extra="forbid"`); a
+known field pdserve does not implement is accepted only at its neutral value (`null`, `false`,
+1, ...), else refused by `router.prepare.refuse_unsupported`. Fields are optional where OpenAI
+allows `null`; defaults are applied in `router.prepare`.
 """
 
 from __future__ import annotations

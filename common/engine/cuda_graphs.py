@@ -1,21 +1,12 @@
 """CUDA-graph capture and replay of decode steps: one graph per batch size, static buffers here.
 
-A decode step (every row: one query token that samples) is captured once per size in
-`capture_sizes(max_num_seqs)`; a smaller batch is padded to the next captured size. The graph
-bakes in pointers and launch grids, so everything it reads changes only by value inside the
-static buffers below. Padding rows: token 0 at position 0, KV written to the pool's padding
-slot, context length 1 (block 0, read but ignored), so no data-dependent branch is needed.
-Every size writes its logits into one shared float32 buffer (`logits`), so graph memory does not
-grow with the number of sizes.
-
-Staging (`StagingRing`): the host writes a step's inputs into pinned host buffers and one
-non-blocking copy moves them into the static buffers. With the overlapped loop the host stages
-step N+1 while step N may not have started yet, so the host buffers rotate through a ring; a
-buffer is written again only after the step that read it was observed complete
-(`StepHandle.result`), and a violation raises `StagingHazard` instead of corrupting a step.
-
-On a CPU device nothing is captured: `replay` runs the same padded forward on the same static
-buffers, so the whole path (padding, staging ring, shared logits) is testable without a GPU.
+A batch is padded to the next size of `capture_sizes`; padding rows (token 0, position 0, KV to
+the pool's padding slot, context length 1) need no data-dependent branch. All sizes share one
+float32 `logits` buffer, so graph memory does not grow with the number of sizes. Inputs go
+through a `StagingRing` of pinned host buffers: with the overlapped loop step N+1 is staged
+before step N may have run, so a buffer is rewritten only after its step was observed complete
+(`StepHandle.result`), else `StagingHazard`. On CPU nothing is captured; the same padded forward
+runs on the same buffers, so the path is testable without a GPU.
 
 Contract with attention backends: their decode path may use only shapes and
 `metadata.max_seq_len` (fixed here at the model's context limit) on the host; per-row lengths

@@ -1,8 +1,5 @@
-"""The single-process engine behind the offline `LLM` API: prefill and decode in one loop.
-Its step is `EngineCore.step` (schedule -> run the model -> update sequences), reported per
-request. (The decode node's `--colocated` mode runs the same EngineCore inside its own
-event loop, which also speaks ZMQ.)
-"""
+"""The single-process engine behind the offline `LLM` API: `EngineCore.step` reported per
+request."""
 
 from __future__ import annotations
 

@@ -1,18 +1,12 @@
 """Per-request logits processors applied before sampling: grammar masks (structured outputs,
-forced tool calls) and `logit_bias`. The runner calls `LogitsProcessors.apply` once per step on
-the [rows, V] logits it is about to sample from; rows without either are not touched.
+forced tool calls) and `logit_bias`, on the [rows, V] logits the runner is about to sample.
 
-Grammars come from `SamplingParams.structured` (`{"type": "json_object"}` or
-`{"type": "json_schema", "schema": "<JSON text>"}`) and are compiled by xgrammar against this
-process's tokenizer, once per distinct spec. Each request gets a `GrammarMatcher`, created on
-its first sampled row. Contract: a matcher is always caught up from `seq.output_token_ids`
-before its mask is filled (so `EngineCore` runs steps synchronously while a grammar request is
-in the scheduler: no placeholder tokens), so it needs no hook after sampling, and a request whose first
-tokens were sampled in another process (the decode node after the prefill node's first token)
-resumes by replaying them: the grammar spec travels in the sampling params, the tokens with
-the request. Masks are filled on the host (xgrammar's matchers are CPU state; one call fills
-the batch's rows on a pool of threads) into one int32 bitmask for the batch, which goes to the
-device in one copy and is applied there in place.
+Grammars are compiled by xgrammar once per distinct spec. Contract: a request's matcher is
+caught up from `seq.output_token_ids` before its mask is filled, so it needs no hook after
+sampling and a request whose first tokens were sampled in another process resumes by replaying
+them; hence `EngineCore` runs steps synchronously (no placeholder tokens) while a grammar
+request is scheduled. Masks are filled on the host into one int32 bitmask per batch, copied to
+the device once and applied in place.
 """
 
 from __future__ import annotations

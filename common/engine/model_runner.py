@@ -1,16 +1,10 @@
 """Turns a ScheduledBatch into tensors, runs the model, samples one token per finishing row.
 
-`launch` queues one step on the device and returns a `StepHandle` at once: the sampled ids stay
-on the device (the next step reads its placeholder inputs from them there), and one
-non-blocking device-to-host copy plus an event bring them to the host for `StepHandle.result`.
-`execute` is launch + result, for callers that do not overlap.
-
-Decode-only batches replay a captured CUDA graph when one is available (`common.engine.cuda_graphs`);
-everything else (prefill, chunks, mixed batches) runs eagerly.
-
-Tensor parallel (`common.engine.tp_link`): rank 0's runner has a `link` and broadcasts each step's
-`HostInputs` before running it and its sampled ids after; the other ranks call `follow` with
-what they received and run the same forward, without sampling.
+`launch` queues one step and returns a `StepHandle` at once: the sampled ids stay on the device
+(the next step reads its placeholder inputs from them) and one non-blocking copy plus an event
+bring them to the host for `StepHandle.result`. Tensor parallel (`common.engine.tp_link`): rank
+0's runner has a `link` and broadcasts each step's `HostInputs` and then its sampled ids; the
+other ranks `follow` with the same forward, without sampling.
 """
 
 from __future__ import annotations
@@ -304,7 +298,7 @@ class ModelRunner:
     def _sample(self, handle: StepHandle, batch: ScheduledBatch, logits) -> None:
         if handle.sample_rows:
             seqs = [batch.items[row].seq for row in handle.sample_rows]
-            if self.logits_processors is not None:  # grammar masks, logit_bias
+            if self.logits_processors is not None:
                 logits = self.logits_processors.apply(logits, seqs)
             inputs = SamplingInputs(
                 params=[s.params for s in seqs],

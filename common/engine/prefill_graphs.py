@@ -3,21 +3,14 @@
 A step of T tokens (prompt chunks, decode rows, any mix) runs padded to the smallest bucket
 B >= T. Attention is the one op whose launch depends on the batch's make-up (number of
 sequences, longest query), so it runs eagerly and everything between two attentions is one
-captured graph, as vLLM's piecewise mode does: piece 0 is the embedding and layer 0 up to its
-attention; piece l is layer l-1 after its attention and layer l up to its own; the last piece
-ends with the final norm. A step is num_layers + 1 replays and num_layers eager attention
-calls instead of ~10 launches per layer.
+captured graph (vLLM's piecewise mode): num_layers + 1 replays and num_layers eager attention
+calls per step instead of ~10 launches per layer.
 
-Data between pieces goes through static buffers: each piece ends by copying q, k, v into
-`q`, `k`, `v`; the eager attention sees only the real tokens' rows (so every backend gets the
-shapes of an eager step, and padding rows write no KV) and writes them into `attn_out`, which
-the next piece reads (padding rows there hold stale, finite values: dense ops are row-wise); the
-last piece writes `hidden`. Logits of the
-sampling rows are projected eagerly from `hidden`. The per-layer hook (the prefill node ships a
-layer's KV) runs right after that layer's attention, as in an eager step.
-
-On a CPU device nothing is captured: `launch` runs the same padded forward with the same
-buffers and boundary copies, so tests cover the data flow.
+Pieces exchange data through static buffers: a piece ends by copying q, k, v into `q`, `k`,
+`v`; the eager attention sees only the real tokens' rows (every backend gets an eager step's
+shapes, padding rows write no KV) and writes `attn_out`, whose padding rows hold stale, finite
+values (dense ops are row-wise). The per-layer hook runs right after that layer's attention,
+as in an eager step. On CPU nothing is captured; the same padded forward and boundary copies run.
 """
 
 from __future__ import annotations
@@ -78,7 +71,6 @@ class PrefillGraphs:
     def bucket(self, num_tokens: int) -> int:
         return next(b for b in self.buckets if b >= num_tokens)
 
-    # -- capture --------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> int:
         """Capture every bucket's pieces (largest first, one memory pool); returns bytes used.
@@ -114,7 +106,6 @@ class PrefillGraphs:
         hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], boundary)
         self.hidden[:bucket].copy_(hidden)
 
-    # -- one step -------------------------------------------------------------------------
     @torch.inference_mode()
     def launch(
         self,

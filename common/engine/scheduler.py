@@ -1,21 +1,18 @@
 """Continuous-batching scheduler (pure Python, no torch).
 
-Every step gets a token budget. Running sequences go first (a decode costs one token, an
-unfinished prompt its next chunk), then waiting ones in arrival order. A sequence's KV blocks
-are allocated just before the step that fills them; when the pool runs dry the most recently
-arrived running sequence is preempted: its blocks are freed and it is recomputed later (its
-full blocks usually come back from the prefix cache). Nothing here can fail for lack of memory.
+Per step, within a token budget: running sequences first, then waiting ones in arrival order.
+Blocks are allocated just before the step that fills them; when the pool runs dry the most
+recently arrived running sequence is preempted (blocks freed, recomputed later, usually from
+the prefix cache). Nothing here can fail for lack of memory.
 
 Block ownership: the scheduler frees a sequence's blocks when it finishes, is aborted or is
 preempted, except in `prefill_only` mode, where a sequence that sampled its first token leaves
 with its blocks: the prefill node keeps them until the KV has been shipped, then frees them.
 
-After the model: `update` = `commit` (counts advance, each sampling row gets a placeholder
-token) then `resolve` (the sampled ids are written, stop rules applied). The overlapped loop
-(`EngineCore`) calls them one step apart: it schedules and launches step N+1 before step N's
-tokens are on the host. While a step is in flight (`hold_frees`), blocks of sequences that
-finish or are aborted are held back (`take_held`) until that step has completed, so neither a
-new sequence nor a KV transfer into a reservation can reuse a block the running step writes.
+After the model: `update` = `commit` (placeholder tokens) then `resolve` (sampled ids, stop
+rules); the overlapped loop (`EngineCore`) calls them one step apart. While a step is in flight
+(`hold_frees`), blocks of sequences that finish or are aborted are held back (`take_held`)
+until it completes, so nothing can reuse a block the running step writes.
 """
 
 from __future__ import annotations
@@ -114,12 +111,10 @@ class Scheduler:
     def fork(self, parent: Sequence, index: int, params: SamplingParams) -> Sequence:
         """Sample `index` of `parent`'s request (n > 1), sharing its prompt's KV blocks.
 
-        Call once the parent's prompt KV is complete, or from the step that completes it (after
-        `schedule`, before the model runs: the child runs from the next step), and before the
-        parent can free its blocks. The child takes one more reference on each full prompt block that lies before
-        the prompt's last token (`BlockAllocator.incref`; it frees them like its own) and
-        computes only the rest of the prompt (less than one block, the last token included)
-        in its next step, which samples its own first token. No KV is copied.
+        Call once the parent's prompt KV is complete (or after `schedule` of the step that
+        completes it) and before the parent can free its blocks. The child takes one reference
+        on each full prompt block before the last token (it frees them like its own) and
+        computes only the rest of the prompt in its next step. No KV is copied.
         """
         n_prompt = len(parent.prompt_token_ids)
         shared = min((n_prompt - 1) // self.block_size, len(parent.block_ids))

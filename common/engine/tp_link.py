@@ -1,11 +1,9 @@
 """How rank 0 drives the other tensor-parallel ranks of a node, one step at a time.
 
-Rank 0 schedules; before it runs a step it broadcasts the step's `HostInputs` packed into one
-int64 tensor (after a fixed 8-int header that says the command and the lengths) over the gloo
-`cpu_group`: no pickling, no Python objects, a few KB per step. Every rank then runs the same
-forward (its collectives pair up with rank 0's). Only rank 0 samples; it broadcasts the sampled
-ids over the device group, so each rank holds them on its device and fills the next step's
-placeholder tokens there, as rank 0 does in an overlapped loop.
+Before each step rank 0 broadcasts its `HostInputs` packed into one int64 tensor over the gloo
+`cpu_group` (no pickling, a few KB); every rank runs the same forward, so collectives pair up.
+Only rank 0 samples; it broadcasts the sampled ids over the device group, where each rank fills
+the next step's placeholder tokens from them.
 
 Packed step: header `[STEP, tokens, rows, samples, fills, table entries, flags, 0]`, then
 input_ids, positions, slots (per token); query_lens, seq_lens, row keys, table lengths (per

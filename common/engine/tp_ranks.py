@@ -1,16 +1,11 @@
 """The processes of a tensor-parallel node: rank 0 is the node itself, ranks 1..tp-1 are
 children it starts (`multiprocessing` spawn), watches and stops.
 
-Lifetimes are tied both ways. Rank 0 watches its ranks from a thread: a rank that exits while
-the node runs takes the node down (the other ranks are terminated, the node exits with
-`RANK_DIED`; its collectives could never complete again). A rank watches its parent: when
-rank 0 is gone (killed, crashed) it exits at once, so no rank outlives its node. On a normal
-stop rank 0 broadcasts STOP (`common.engine.tp_link`), then joins its ranks, then terminates what is
-left.
-
-A rank's whole life is `rank_main`: build the same `Worker` (weights, KV pool of its heads,
-captured graphs: every collective of start-up in lockstep with rank 0), then follow rank 0's
-steps until STOP.
+Lifetimes are tied both ways: a rank that exits while the node runs takes the node down
+(`RANK_DIED`: its collectives could never complete again), and a rank whose parent is gone
+exits at once. On a normal stop rank 0 broadcasts STOP, joins its ranks, terminates the rest.
+A rank's life is `rank_main`: build the same `Worker` in lockstep with rank 0, then follow
+its steps until STOP.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Everything one process needs to run the model: weights, KV pool, block allocator, runner.
 
-Built once per engine process (colocated engine, prefill node, decode node). Values found here
-at run time go to `RuntimeInfo`; the frozen `EngineConfig` is never modified.
-
-With `tp > 1` the Worker of rank 0 (the node's own process) starts the other ranks
-(`common.engine.tp_ranks`), each of which builds the same Worker for its rank and then `follow`s
-rank 0's steps. Every rank holds its slice of the weights and a KV pool of its KV heads, with
-the same number of blocks on every rank (the smallest any rank can hold).
+Built once per engine process. Values found at run time go to `RuntimeInfo`; the frozen
+`EngineConfig` is never modified. With `tp > 1` rank 0's Worker starts the other ranks
+(`common.engine.tp_ranks`), which build the same Worker and `follow` rank 0's steps; every rank
+has the same number of KV blocks (the smallest any rank can hold).
 """
 
 from __future__ import annotations

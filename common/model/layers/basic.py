@@ -12,11 +12,7 @@ from common.model.spec import RopeSpec
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, optionally fused with the residual add.
-
-    With `residual`, returns `(norm(x + residual), x + residual)` so the caller carries the
-    un-normalised sum to the next layer, as every pre-norm decoder does.
-    """
+    """RMSNorm in float32, optionally fused with the residual add (`ops.rms_norm`)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
