@@ -34,6 +34,15 @@ class ModelConfig:
             "choices": ("auto", "float32", "bfloat16", "float16"),
         },
     )
+    quantization: str = field(
+        default="auto",
+        metadata={
+            "help": "auto (as the checkpoint is stored: FP8 checkpoints are detected from "
+            "config.json) or fp8 (quantize a bf16/fp16/fp32 checkpoint at load: per-channel "
+            "weights, dynamic per-token activations)",
+            "choices": ("auto", "fp8"),
+        },
+    )
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:N"})
     max_model_len: int | None = field(
         default=None, metadata={"help": "longest prompt + output; default: the model's"}
