@@ -16,6 +16,7 @@ Formats read (as published; the tensor names are what the checkpoint files hold)
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,7 +76,7 @@ def resolve_quantization(
         raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {flag!r}")
     scheme = checkpoint or (QUANTIZE_AT_LOAD if flag == "fp8" else None)
     if scheme is not None and load_format == "dummy":
-        return QuantConfig(scheme.weights, scheme.activations, scheme.block, from_checkpoint=False)
+        return dataclasses.replace(scheme, from_checkpoint=False)
     return scheme
 
 
