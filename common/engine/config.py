@@ -13,6 +13,8 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from common.model.quantization.config import QUANTIZATION_CHOICES
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -32,6 +34,15 @@ class ModelConfig:
         metadata={
             "help": "auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16",
             "choices": ("auto", "float32", "bfloat16", "float16"),
+        },
+    )
+    quantization: str = field(
+        default="auto",
+        metadata={
+            "help": "auto (as the checkpoint is stored: FP8 checkpoints are detected from "
+            "config.json) or fp8 (quantize a bf16/fp16/fp32 checkpoint at load: per-channel "
+            "weights, dynamic per-token activations)",
+            "choices": QUANTIZATION_CHOICES,
         },
     )
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:N"})

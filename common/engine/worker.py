@@ -139,6 +139,7 @@ class Worker:
             load_format=mc.load_format,
             seed=mc.seed,
             tp=self.tp,
+            quantization=mc.quantization,
         )
         backend_name, why = choose_backend(config.attention_backend, self.device, cc.block_size)
         log.info("attention backend: %s (%s)", backend_name, why)

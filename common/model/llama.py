@@ -39,6 +39,15 @@ PACKED_MODULES: dict[str, tuple[str, ...]] = {
 }
 
 
+KV_SCALES = ("self_attn.k_scale", "self_attn.v_scale")
+
+
+def _kv_scale_name(name: str) -> str:
+    for proj in ("k", "v"):
+        name = name.replace(f"self_attn.{proj}_proj.output_scale", f"self_attn.{proj}_scale")
+    return name
+
+
 class Attention(nn.Module):
     def __init__(
         self, spec: ModelSpec, layer: int, tp: TPGroup, method: LinearMethod | None
@@ -54,6 +63,10 @@ class Attention(nn.Module):
             spec.hidden_size, spec.head_dim, layout, tp, spec.qkv_bias, method
         )
         self.o_proj = RowParallelLinear(spec.q_size, spec.hidden_size, tp, method=method)
+        # FP8 KV-cache scales from the checkpoint (k = stored * k_scale); 1.0 when it has none.
+        # Loaded here for the KV-cache step that uses them; nothing reads them yet.
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32))
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32))
         self.qk_norm = spec.qk_norm
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
@@ -164,14 +177,23 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Full tensors, in checkpoint names (`...q_proj.weight`) or ours (a whole fused
-        `...qkv_proj.weight`), each through its parameter's `weight_loader`. A name with no
-        parameter, a wrong shape, or a parameter left unloaded is a ValueError."""
+        `...qkv_proj.weight`), each through its parameter's `weight_loader`; the linear
+        method's parameters (FP8 `weight_scale`, `input_scale`, ...) load alike. A name with no
+        parameter, a wrong shape, or a parameter left unloaded is a ValueError. KV-cache scales
+        (`self_attn.k_scale`, or `k_proj.output_scale` in older checkpoints) are optional."""
         params = dict(self.named_parameters())
+        kv_scales = {n: b for n, b in self.named_buffers() if n.endswith(KV_SCALES)}
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue  # inv_freq buffers some checkpoints carry; ours is computed
             if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                continue
+            name = _kv_scale_name(name)
+            if name in kv_scales:
+                if tensor.numel() != 1:
+                    raise ValueError(f"KV scale {name!r} has shape {tuple(tensor.shape)}")
+                kv_scales[name].fill_(tensor.reshape(()).float())
                 continue
             target, shard_id = self._packed_target(name)
             if target not in params:

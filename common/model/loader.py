@@ -15,7 +15,7 @@ import torch
 
 from common.model.distributed import TPGroup
 from common.model.layers.linear import process_weights_after_loading
-from common.model.quantization import linear_method_for
+from common.model.quantization.selection import linear_method_for
 from common.model.registry import CausalLM, model_class
 from common.model.source import ModelSource
 from common.model.spec import ModelSpec
@@ -35,9 +35,11 @@ def build_model(
     load_format: str = "auto",
     seed: int = 0,
     tp: TPGroup | None = None,
+    quantization: str = "auto",
 ) -> CausalLM:
     """The model of `spec` (the full model's) for rank `tp.rank` of `tp.size`, its layers
-    cutting their slices out of the full checkpoint tensors (or full dummy tensors)."""
+    cutting their slices out of the full checkpoint tensors (or full dummy tensors).
+    `quantization`: "auto" (as the checkpoint is stored) or "fp8" (quantize at load)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     tp = tp or TPGroup.single()
@@ -46,7 +48,7 @@ def build_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = cls(spec, max_positions, tp, linear_method_for(spec))
+            model = cls(spec, max_positions, tp, linear_method_for(spec, quantization, load_format))
     finally:
         torch.set_default_dtype(previous)
     if torch.device(device).type == "meta":

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from common.model.quantization.config import QuantConfig, parse_quantization_config
+
 # Architecture name -> flags of our one Llama-family implementation.
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
@@ -52,6 +54,7 @@ class ModelSpec:
     qk_norm: bool
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
+    quantization: QuantConfig | None = None  # what the checkpoint's weights are stored as
 
     @property
     def q_size(self) -> int:
@@ -101,7 +104,13 @@ class ModelSpec:
             qk_norm=flags["qk_norm"],
             sliding_window=sliding,
             eos_token_ids=eos_token_ids,
+            quantization=parse_quantization_config(_as_dict(config, "quantization_config")),
         )
+
+
+def _as_dict(config: Any, key: str) -> dict[str, Any] | None:
+    value = getattr(config, key, None)
+    return value if value is None or isinstance(value, dict) else value.to_dict()
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:

@@ -1,19 +1,26 @@
 """Linear methods: how the parallel linear layers (`common.model.layers.linear`) store and
-multiply their weights. A quantization scheme is one more `LinearMethod` subclass, chosen in
-`linear_method_for`."""
+multiply their weights. `config` reads a checkpoint's scheme (torch-free: `ModelSpec` holds
+it); `selection.linear_method_for` is the one place that maps it to a method: unquantized, or
+one FP8 method per weight-scale layout (`fp8`, with `fp8_ops`, `fp8_gemm`, `fp8_loaders`).
+
+The names below load on first use (PEP 562), so importing `config` from `ModelSpec` does not
+import torch.
+"""
 
 from __future__ import annotations
 
-from common.model.quantization.base import LinearMethod
-from common.model.quantization.unquantized import UnquantizedLinearMethod
-from common.model.spec import ModelSpec
+import importlib
+from typing import Any
 
 __all__ = ["LinearMethod", "UnquantizedLinearMethod", "linear_method_for"]
+_HOMES = {
+    "LinearMethod": "base",
+    "UnquantizedLinearMethod": "unquantized",
+    "linear_method_for": "selection",
+}
 
 
-def linear_method_for(spec: ModelSpec) -> LinearMethod:
-    """The method every linear layer of `spec`'s model uses. `ModelSpec` reads no
-    quantization config yet, so this is always the unquantized one; a scheme adds its
-    branch here."""
-    del spec
-    return UnquantizedLinearMethod()
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
