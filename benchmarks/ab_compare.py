@@ -1,9 +1,11 @@
 """Two `bench_engine.py` results side by side (A: a reference run, B: the run to check): each
-row's time and its ratio to the floor measured in that same run, and B's ratio over A's.
+row's time and its ratio to the floor measured in that same run, and B's time over A's. The
+check is on times: both runs share the machine, while each run's floors come from its own
+ceiling measurement, which alone moves by a few percent between runs.
 
     python benchmarks/ab_compare.py A.json B.json [--tolerance 0.03]
 
-Exit status 1 when some B ratio is worse than A's by more than the tolerance (noise included:
+Exit status 1 when some B time is worse than A's by more than the tolerance (noise included:
 quote several runs before calling a miss)."""
 
 from __future__ import annotations
@@ -42,12 +44,12 @@ def main() -> None:
             f"{ceil.get('copy_bytes_per_s', 0) / 1e12:.2f} TB/s, matmul "
             f"{ceil.get('bf16_flops_per_s', 0) / 1e12:.0f} TFLOP/s"
         )
-    print(f"{'row':<34} {'A':>10} {'B':>10} {'A ratio':>8} {'B ratio':>8} {'B/A':>7}")
+    print(f"{'row':<34} {'A':>10} {'B':>10} {'A ratio':>8} {'B ratio':>8} {'B/A time':>9}")
     worse = []
     for name in [n for n in ra if n in rb]:
         (va, xa), (vb, xb) = ra[name], rb[name]
         unit = 1 if name.startswith("throughput") else 1e3
-        rel = xb / xa if xa and xb else None
+        rel = xb / xa if name.startswith("throughput") else vb / va
         flag = ""
         if rel is not None and rel > 1 + args.tolerance:
             flag = "  WORSE"
@@ -56,7 +58,7 @@ def main() -> None:
         shown_b = f"x{xb:.2f}" if xb and not name.startswith("throughput") else "-"
         print(
             f"{name:<34} {va * unit:10.2f} {vb * unit:10.2f} {shown_a:>8} {shown_b:>8} "
-            f"{rel if rel is not None else float('nan'):7.3f}{flag}"
+            f"{rel:9.3f}{flag}"
         )
     print(f"{len(worse)} rows worse than A by more than {args.tolerance:.0%}: {worse}")
     raise SystemExit(1 if worse else 0)
