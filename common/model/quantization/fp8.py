@@ -17,7 +17,7 @@ from torch import nn
 from common.model.quantization import fp8_ops as ops
 from common.model.quantization.base import LinearMethod, WeightLoader
 from common.model.quantization.config import QuantConfig
-from common.model.quantization.fp8_gemm import fp8_linear, reference_block_linear
+from common.model.quantization.fp8_gemm import fp8_linear, reference_linear
 from common.model.quantization.fp8_loaders import (
     BlockScaleLoader,
     per_row_loader,
@@ -171,5 +171,5 @@ class Fp8BlockMethod(Fp8LinearMethod):
         scales = getattr(layer, self.config.scale_name)[layer.row_block]  # [N, K blocks]
         w_scale = ops.expand_groups(scales, bk, k)
         x_scale = ops.expand_groups(x_scale, bk, k)
-        out = reference_block_linear(xq, x_scale, layer.weight, w_scale, x.dtype, bias)
+        out = reference_linear(xq, x_scale, layer.weight, w_scale, x.dtype, bias)
         return out.reshape(*shape[:-1], out.shape[-1])

@@ -47,22 +47,9 @@ def scaled_mm_linear(xq, x_scale, weight, w_scale, out_dtype, bias):
 
 
 def reference_linear(xq, x_scale, weight, w_scale, out_dtype, bias):
+    """The dequantizing path. `w_scale` is a scalar, one per output row ([N]), or one per
+    element ([N, K]: block scales already expanded, the path a Triton block-scaled GEMM will
+    replace on CUDA); `x_scale` broadcasts against `xq` likewise."""
     x = xq.float() * x_scale
-    w = weight.float() * w_scale.reshape(-1, 1)
-    return F.linear(x, w, None if bias is None else bias.float()).to(out_dtype)
-
-
-def reference_block_linear(
-    xq: torch.Tensor,
-    x_scale: torch.Tensor,
-    weight: torch.Tensor,
-    w_scale: torch.Tensor,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None,
-) -> torch.Tensor:
-    """Block-wise FP8: x_scale [M, K] and w_scale [N, K] already expanded to one scale per
-    element. This dequantizing path runs on CUDA too until a Triton block-scaled GEMM
-    replaces it there."""
-    x = xq.float() * x_scale
-    w = weight.float() * w_scale
+    w = weight.float() * (w_scale.reshape(-1, 1) if w_scale.dim() == 1 else w_scale)
     return F.linear(x, w, None if bias is None else bias.float()).to(out_dtype)
