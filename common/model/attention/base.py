@@ -4,11 +4,16 @@ Contract: the model calls `ForwardContext.attention(layer, q, k, v)` once per la
 step's new tokens flattened (`[num_tokens, heads, head_dim]`). The backend writes k and v into
 the paged cache at `slot_mapping` and returns attention over each sequence's whole context
 (cached prefix + earlier chunks + these tokens), causal within the new tokens.
+
+FP8 KV: a `torch.float8_e4m3fn` cache stores `clamp(x / scale, -448, 448)` rounded to nearest
+even (`common.model.quantization.fp8_ops.quantize`) and reads as `stored.float() * scale`, with
+one K and one V scale per layer (plain floats, fixed for the process, so CUDA graphs bake
+them). Caches of any other dtype ignore the scales.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,6 +61,8 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor: ...
 
 
@@ -76,19 +83,30 @@ class DecodeOrPrefillBackend:
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
-        self.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        self.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
         if metadata.is_decode_only:
-            return self.decode(q, k_cache, v_cache, metadata, scale)
-        return self.prefill(q, k_cache, v_cache, metadata, scale)
+            return self.decode(q, k_cache, v_cache, metadata, scale, k_scale, v_scale)
+        return self.prefill(q, k_cache, v_cache, metadata, scale, k_scale, v_scale)
 
-    def write_kv(self, k, v, k_cache, v_cache, slots: torch.Tensor) -> None:
+    def write_kv(
+        self, k, v, k_cache, v_cache, slots: torch.Tensor, k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:  # fmt: skip
         raise NotImplementedError
 
-    def decode(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
+    def decode(
+        self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float,
+        k_scale: float = 1.0, v_scale: float = 1.0,
+    ):  # fmt: skip
         raise NotImplementedError
 
-    def prefill(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
+    def prefill(
+        self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float,
+        k_scale: float = 1.0, v_scale: float = 1.0,
+    ):  # fmt: skip
         raise NotImplementedError
 
 
@@ -96,7 +114,8 @@ class ForwardContext:
     """Binds one step's metadata and the KV cache to a backend for the model's layers.
 
     `on_layer_done(layer)` (optional) runs after a layer's KV is in the cache; the prefill
-    node uses it to ship that layer while the next ones compute.
+    node uses it to ship that layer while the next ones compute. `k_scales`/`v_scales` hold
+    one FP8 scale per layer; None means 1.0 for every layer.
     """
 
     def __init__(
@@ -107,20 +126,30 @@ class ForwardContext:
         v_caches: list[torch.Tensor],
         scale: float,
         on_layer_done: Callable[[int], None] | None = None,
+        k_scales: Sequence[float] | None = None,
+        v_scales: Sequence[float] | None = None,
     ) -> None:
+        for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if scales is not None and len(scales) != len(k_caches):
+                raise ValueError(f"{name} has {len(scales)} entries for {len(k_caches)} layers")
         self.backend = backend
         self.metadata = metadata
         self.k_caches = k_caches
         self.v_caches = v_caches
         self.scale = scale
         self.on_layer_done = on_layer_done
+        self.k_scales = k_scales
+        self.v_scales = v_scales
 
     def attention(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
+        k_scale = 1.0 if self.k_scales is None else self.k_scales[layer]
+        v_scale = 1.0 if self.v_scales is None else self.v_scales[layer]
         out = self.backend.forward(
-            q, k, v, self.k_caches[layer], self.v_caches[layer], self.metadata, self.scale
-        )
+            q, k, v, self.k_caches[layer], self.v_caches[layer], self.metadata, self.scale,
+            k_scale, v_scale,
+        )  # fmt: skip
         if self.on_layer_done is not None:
             self.on_layer_done(layer)
         return out

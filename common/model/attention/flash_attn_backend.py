@@ -6,6 +6,8 @@ decode through `flash_attn_with_kvcache` with `block_table` and `cache_seqlens` 
 only: CUDA-graph safe). FA2's paged kernels need a page size that is a multiple of
 `REQUIRED_BLOCK_SIZE_MULTIPLE`; `check_block_size` rejects others so the worker can pick a
 larger page. FA4 (`flash_attn.cute`): one varlen call with `page_table` and `seqused_k` for both.
+Neither paged API reads our FP8 cache layout with per-layer scales: FP8 KV is refused
+(`check_kv_dtype`), and `auto` picks triton for it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,14 @@ def check_block_size(block_size: int) -> None:
     if block_size % REQUIRED_BLOCK_SIZE_MULTIPLE:
         raise ValueError(
             f"the flash_attn backend needs --block-size a multiple of {REQUIRED_BLOCK_SIZE_MULTIPLE}, got {block_size}"
+        )
+
+
+def check_kv_dtype(kv_dtype: torch.dtype | None) -> None:
+    if kv_dtype == torch.float8_e4m3fn:
+        raise ValueError(
+            f"the flash_attn attention backend cannot read a {kv_dtype} (FP8) KV cache; "
+            "use --attention-backend triton or torch, or --kv-cache-dtype auto"
         )
 
 
@@ -60,7 +70,10 @@ class FlashAttnBackend:
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
+        check_kv_dtype(k_cache.dtype)
         write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         if self._cute is not None:
             out = self._cute(

@@ -2,6 +2,7 @@
 
 Decode-only batches gather every sequence's blocks into one padded tensor; batches with
 prefill tokens loop over sequences with an explicit causal mask offset by the cached context.
+An FP8 cache (contract in `base`) is dequantized to fp32 after the gather and attended in fp32.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from common.model.attention.base import AttentionMetadata, DecodeOrPrefillBackend
+from common.model.quantization.fp8_ops import FP8, quantize
 
 
 def write_kv(
@@ -18,12 +20,30 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Scatter new k/v rows into the paged cache. Slots must be valid (padding rows use the
-    pool's padding slot), which keeps this free of host syncs and safe to capture."""
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+    pool's padding slot), which keeps this free of host syncs and safe to capture. An FP8 cache
+    gets `fp8_ops.quantize` of the rows; other caches a cast, the scales ignored."""
+    for rows, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        flat = cache.view(cache.shape[0] * cache.shape[1], *cache.shape[2:])
+        if cache.dtype == FP8:
+            if not scale > 0:
+                raise ValueError(f"FP8 KV scales must be positive, got {k_scale}, {v_scale}")
+            # index_copy_ has no fp8 kernel on CPU; the bytes are the same through uint8. The
+            # scale is a device tensor because CUDA divides by a host scalar as a multiply by
+            # its reciprocal, which is not always the correctly rounded quotient.
+            divisor = torch.full((), scale, dtype=torch.float32, device=rows.device)
+            values = quantize(rows, divisor).view(torch.uint8)
+            flat.view(torch.uint8).index_copy_(0, slots, values)
+        else:
+            flat.index_copy_(0, slots, rows.to(cache.dtype))
+
+
+def dequantize(rows: torch.Tensor, scale: float) -> torch.Tensor:
+    """Cache rows as attention reads them: FP8 as `rows.float() * scale`, others unchanged."""
+    return rows.float() * scale if rows.dtype == FP8 else rows
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -39,13 +59,17 @@ class TorchAttentionBackend(DecodeOrPrefillBackend):
 
     write_kv = staticmethod(write_kv)
 
-    def decode(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
+    def decode(
+        self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float,
+        k_scale: float = 1.0, v_scale: float = 1.0,
+    ):  # fmt: skip
         num_seqs = metadata.num_seqs
         block_size = k_cache.shape[1]
         max_blocks = (metadata.max_seq_len + block_size - 1) // block_size
         tables = metadata.block_tables[:num_seqs, :max_blocks].long()
-        keys = k_cache[tables].flatten(1, 2)  # [B, max_blocks*block_size, kv_heads, d]
-        values = v_cache[tables].flatten(1, 2)
+        # [B, max_blocks*block_size, kv_heads, d]
+        keys = dequantize(k_cache[tables].flatten(1, 2), k_scale)
+        values = dequantize(v_cache[tables].flatten(1, 2), v_scale)
         positions = torch.arange(keys.shape[1], device=q.device)
         valid = positions[None, :] < metadata.seq_lens[:num_seqs, None]
         out = F.scaled_dot_product_attention(
@@ -60,15 +84,18 @@ class TorchAttentionBackend(DecodeOrPrefillBackend):
         result[:num_seqs] = out.squeeze(2).to(q.dtype)
         return result
 
-    def prefill(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
+    def prefill(
+        self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float,
+        k_scale: float = 1.0, v_scale: float = 1.0,
+    ):  # fmt: skip
         out = torch.empty_like(q)
         start = 0
         for i, (q_len, ctx_len) in enumerate(
             zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True)
         ):
             table = metadata.block_tables[i]
-            keys = gather_context(k_cache, table, ctx_len).transpose(0, 1)
-            values = gather_context(v_cache, table, ctx_len).transpose(0, 1)
+            keys = dequantize(gather_context(k_cache, table, ctx_len), k_scale).transpose(0, 1)
+            values = dequantize(gather_context(v_cache, table, ctx_len), v_scale).transpose(0, 1)
             query = q[start : start + q_len].transpose(0, 1)
             # Query j sits at absolute position ctx_len - q_len + j and sees keys up to it.
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)

@@ -5,7 +5,8 @@ CUDA-graph contract of the decode path: on the host it uses only tensor shapes a
 `metadata.max_seq_len` (an upper bound that picks the split count); per-sequence lengths are
 read on the device. Its split scratch buffers are allocated on the first call with a given
 shape (the warm-up before capture) and reused by every later call and replay, so a replay
-allocates nothing. Calls run in stream order, so one buffer serves every layer.
+allocates nothing. Calls run in stream order, so one buffer serves every layer. FP8 caches
+(contract in `base`) are written and read by the same kernels with the layer's scales.
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ class TritonAttentionBackend(DecodeOrPrefillBackend):
 
     write_kv = staticmethod(write_kv)
 
-    def decode(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
+    def decode(
+        self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float,
+        k_scale: float = 1.0, v_scale: float = 1.0,
+    ):  # fmt: skip
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_seqs = min(q.shape[0], metadata.seq_lens.shape[0])
         if num_seqs < q.shape[0]:  # query rows without a sequence
@@ -53,10 +57,15 @@ class TritonAttentionBackend(DecodeOrPrefillBackend):
             metadata.block_tables,
             scale,
             scratch,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         return out
 
-    def prefill(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
+    def prefill(
+        self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float,
+        k_scale: float = 1.0, v_scale: float = 1.0,
+    ):  # fmt: skip
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_tokens = sum(metadata.query_lens_cpu)
         if num_tokens < q.shape[0]:  # padding tokens after the last sequence
@@ -71,5 +80,7 @@ class TritonAttentionBackend(DecodeOrPrefillBackend):
             metadata.block_tables,
             metadata.max_query_len,
             scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         return out

@@ -3,7 +3,7 @@
 Pools are `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`, contiguous, of one
 dtype and one per-block shape; their block counts may differ. One program copies the K or the V
 plane of one block of one layer, so a set of layers moves in one launch and one pass over the
-bytes, with no gather buffer and no host work per block.
+bytes, with no gather buffer and no host work per block. FP8 pools are copied as their bytes.
 
 The destination may live on another GPU: the kernel runs on the source's GPU and stores through
 a peer mapping, over NVLink or PCIe. A CUDA IPC-opened pool is mapped for the source's GPU when
@@ -60,6 +60,9 @@ class BlockCopier:
             )
         if not (src.is_contiguous() and dst.is_contiguous()):
             raise ValueError("both pools must be contiguous")
+        if src.element_size() == 1:
+            # FP8 pools move as bytes: bit-exact, and Triton's fp8 types need sm_89+.
+            src, dst = src.view(torch.uint8), dst.view(torch.uint8)
         self.src, self.dst = src, dst
         self.num_layers = src.shape[0]
         self.block_numel = math.prod(src.shape[3:])

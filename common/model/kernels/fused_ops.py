@@ -154,12 +154,31 @@ def apply_rotary(
     return q, k
 
 
+@triton.jit
+def _quantize_e4m3(x, scale):
+    """`clamp(x / scale, -448, 448)` rounded to the nearest float8_e4m3fn, ties to even, as
+    fp32 (exact in e4m3, so the final cast is exact). Rounding is done here rather than by the
+    cast because Triton's CPU interpreter rounds fp8 casts half-up; adding then subtracting
+    2^(e + 20) rounds |y| (< 2^(e + 1)) at e4m3's ulp 2^(e - 3) in fp32's own RTNE, and e
+    never goes below -6, e4m3's subnormal ulp."""
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+    bits = y.to(tl.int32, bitcast=True)
+    magnitude = bits & 0x7FFFFFFF
+    exponent = tl.maximum((magnitude >> 23) - 127, -6)
+    magic = ((exponent + 147) << 23).to(tl.float32, bitcast=True)  # 2^(exponent + 20)
+    rounded = (magnitude.to(tl.float32, bitcast=True) + magic) - magic
+    # The sign goes back on as a bit, so -0.0 and tiny negatives become -0.0, as in torch.
+    sign = bits ^ magnitude
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
 # fmt: off
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, k_scale, v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch, num_heads,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # fmt: on
     tok = tl.program_id(0).to(tl.int64)
@@ -173,6 +192,9 @@ def _write_kv_kernel(
     dst = dst + offs_h[:, None] * stride_ch + offs_d[None, :]
     k = tl.load(k_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    if KV_FP8:
+        k = _quantize_e4m3(k.to(tl.float32), k_scale)
+        v = _quantize_e4m3(v.to(tl.float32), v_scale)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -183,25 +205,35 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Scatter k/v `[T, kv_heads, head_dim]` into the paged caches at `slot_mapping` (`[T]`,
-    `block * page_size + offset`); tokens with a slot < 0 are skipped on the device."""
+    `block * page_size + offset`); tokens with a slot < 0 are skipped on the device. Into a
+    float8_e4m3fn cache each value is stored as `clamp(x / scale, -448, 448)` rounded to
+    nearest even (`fp8_ops.quantize`); other caches take a plain cast and ignore the scales."""
     if slot_mapping.shape[0] != k.shape[0] or k.shape != v.shape:
         raise ValueError(
             f"write_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(slot_mapping.shape)}"
         )
     if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
         raise ValueError(f"K/V caches need equal strides, got {k_cache.stride()}, {v_cache.stride()}")
+    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if kv_fp8 and not (v_cache.dtype == k_cache.dtype and k_scale > 0 and v_scale > 0):
+        raise ValueError(
+            f"FP8 KV needs both caches float8_e4m3fn and positive scales, got {k_cache.dtype}, "
+            f"{v_cache.dtype}, k_scale={k_scale}, v_scale={v_scale}"
+        )
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         k, v = k.contiguous(), v.contiguous()
     if k.shape[0] == 0:
         return
     num_heads, head_dim = k.shape[1], k.shape[2]
     _write_kv_kernel[(k.shape[0],)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), num_heads,
         PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4,
+        KV_FP8=kv_fp8, num_warps=4,
     )  # fmt: skip

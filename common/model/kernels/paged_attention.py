@@ -14,6 +14,13 @@ group padded to 16 rows (the smallest dot).
 Softmax is online (flash-attention) in base 2: scores are scaled by `scale * log2(e)` and
 exponentiated with exp2. Accumulation is fp32; P is cast to the cache dtype for the P V product.
 fp32 inputs use `input_precision="ieee"` (no tf32), so fp32 matches the torch reference closely.
+
+FP8 KV: a float8_e4m3fn cache holds `clamp(x / scale, -448, 448)` (round to nearest even; see
+`fused_ops.write_kv`) with one scale per layer for K and one for V, and reads as `stored * scale`.
+The kernels convert K and V tiles to q's dtype in registers (exact: every e4m3 value is a bf16,
+fp16 and fp32 value) and apply the scales outside the products: `k_scale` joins the softmax
+scale, `v_scale` multiplies the fp32 accumulator once. The scales are host floats fixed for
+the process, so captured graphs keep them. Non-FP8 caches ignore the scales.
 """
 
 from __future__ import annotations
@@ -39,14 +46,15 @@ def _attend(
     acc, m_i, l_i, q, q_pos, kv_start, kv_end, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
     stride_cb, stride_cs, stride_ch, scale_log2,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
+    MASKED: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # fmt: on
     """Online softmax of q's rows over keys [kv_start, kv_end), continuing (acc, m_i, l_i):
     unnormalised P V, running max in log2 units, sum of exp2(score - m_i). A row that saw no
     key keeps (0, -inf, 0). With MASKED, row r sees key n iff n <= q_pos[r] and n < kv_end;
     without, the caller promises every key of every tile is visible (whole tiles below the
-    causal diagonal), which drops the masks from the hot loop."""
+    causal diagonal), which drops the masks from the hot loop. With KV_FP8, K and V tiles are
+    widened to q's dtype; their scales are the caller's (scale_log2 and the final acc)."""
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     head_off = kv_head.to(tl.int64) * stride_ch
@@ -64,6 +72,8 @@ def _attend(
             k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
         else:
             k = tl.load(k_cache_ptr + kv_ptrs, mask=d_mask[None, :], other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
         if MASKED:
             visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
@@ -82,6 +92,8 @@ def _attend(
             v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
         else:
             v = tl.load(v_cache_ptr + kv_ptrs, mask=d_mask[None, :], other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
     return acc, m_i, l_i
@@ -91,9 +103,10 @@ def _attend(
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
-    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    scale_log2, v_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
+    stride_bt, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # fmt: on
     """Grid (kv_heads, cdiv(max_query_len, BLOCK_Q), num_seqs): BLOCK_Q tokens x GROUP heads."""
@@ -121,7 +134,8 @@ def _prefill_kernel(
         mask=io_mask,
         other=0.0,
     )
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    if not KV_FP8:
+        q = q.to(k_cache_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -135,12 +149,15 @@ def _prefill_kernel(
     acc, m_i, l_i = _attend(
         acc, m_i, l_i, q, q_pos, 0, unmasked_end, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
         stride_cb, stride_cs, stride_ch, scale_log2, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, False,
+        KV_FP8,
     )  # fmt: skip
     acc, m_i, l_i = _attend(
         acc, m_i, l_i, q, q_pos, unmasked_end, kv_end, k_cache_ptr, v_cache_ptr, table_ptr,
         kv_head, stride_cb, stride_cs, stride_ch, scale_log2, PAGE_SIZE, HEAD_DIM, BLOCK_D,
-        BLOCK_N, True,
+        BLOCK_N, True, KV_FP8,
     )  # fmt: skip
+    if KV_FP8:
+        acc = acc * v_scale
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         out_ptr + (tok64 * stride_ot + head * stride_oh)[:, None] + offs_d[None, :],
@@ -153,10 +170,10 @@ def _prefill_kernel(
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, seq_lens_ptr,
-    block_tables_ptr, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+    block_tables_ptr, scale_log2, v_scale, stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # fmt: on
     """Grid (num_seqs, kv_heads, num_splits). The sequence length comes from device memory.
@@ -186,7 +203,8 @@ def _decode_kernel(
         mask=row_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    if not KV_FP8:
+        q = q.to(k_cache_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -196,7 +214,10 @@ def _decode_kernel(
     acc, m_i, l_i = _attend(
         acc, m_i, l_i, q, q_pos, kv_start, kv_end, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
         stride_cb, stride_cs, stride_ch, scale_log2, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, True,
+        KV_FP8,
     )  # fmt: skip
+    if KV_FP8:  # the reduce is linear in acc, so partial rows may carry v_scale too
+        acc = acc * v_scale
     if SINGLE_SPLIT:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
@@ -296,6 +317,17 @@ def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, i
     return k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
 
 
+def _kv_fp8(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float, v_scale: float) -> bool:
+    """Whether the caches are FP8 (then the scales apply and must be positive)."""
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"K and V caches differ in dtype: {k_cache.dtype} vs {v_cache.dtype}")
+    if k_cache.dtype != torch.float8_e4m3fn:
+        return False
+    if not (k_scale > 0 and v_scale > 0):
+        raise ValueError(f"FP8 KV scales must be positive, got k_scale={k_scale}, v_scale={v_scale}")
+    return True
+
+
 def _check_q(q: torch.Tensor, k_cache: torch.Tensor) -> int:
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     if q.dim() != 3 or q.stride(2) != 1 or num_heads % num_kv_heads:
@@ -317,13 +349,17 @@ def paged_prefill_attention(
     max_query_len: int,
     scale: float,
     block_n: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
     Writes `out` rows `query_start_loc[0]:query_start_loc[-1]`; other rows are left alone.
     The new tokens' K/V must already be in the cache. `block_n` overrides the key tile (tests).
+    `k_scale`/`v_scale` dequantize an FP8 cache (module docstring).
     """
     group = _check_q(q, k_cache)
+    kv_fp8 = _kv_fp8(k_cache, v_cache, k_scale, v_scale)
     num_seqs = query_start_loc.shape[0] - 1
     if num_seqs == 0 or max_query_len == 0:
         return
@@ -339,10 +375,11 @@ def paged_prefill_attention(
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                *_cache_strides(k_cache, v_cache), block_tables.stride(0))  # fmt: skip
     grid = (k_cache.shape[2], triton.cdiv(max_query_len, block_q), num_seqs)
+    scale_log2 = scale * LOG2E * k_scale if kv_fp8 else scale * LOG2E
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale * LOG2E, *strides,
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, PAGE_SIZE=k_cache.shape[1],
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale_log2, v_scale,
+        *strides, GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, PAGE_SIZE=k_cache.shape[1],
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, KV_FP8=kv_fp8,
         num_warps=4 if block_d <= 128 else 8, num_stages=2,
     )  # fmt: skip
 
@@ -357,14 +394,18 @@ def paged_decode_attention(
     scale: float,
     scratch: DecodeScratch | None,
     block_n: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """One query token per sequence: row i of q and out belongs to sequence i.
 
-    Every host-side value comes from tensor shapes, so this is CUDA-graph capturable: the split
-    count is `scratch`'s (1 when None), lengths are read on the device, a sequence of length 0
-    gets a zero row. `block_n` overrides the key tile (tests).
+    Every host-side value comes from tensor shapes (and the fixed scales), so this is CUDA-graph
+    capturable: the split count is `scratch`'s (1 when None), lengths are read on the device, a
+    sequence of length 0 gets a zero row. `block_n` overrides the key tile (tests).
+    `k_scale`/`v_scale` dequantize an FP8 cache (module docstring).
     """
     group = _check_q(q, k_cache)
+    kv_fp8 = _kv_fp8(k_cache, v_cache, k_scale, v_scale)
     num_seqs, num_heads, head_dim = q.shape
     if num_seqs == 0:
         return
@@ -379,11 +420,12 @@ def paged_decode_attention(
     parts = (out, out, out) if scratch is None else (scratch.max_log2, scratch.sum_exp, scratch.acc)
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                *_cache_strides(k_cache, v_cache), block_tables.stride(0))  # fmt: skip
+    scale_log2 = scale * LOG2E * k_scale if kv_fp8 else scale * LOG2E
     _decode_kernel[(num_seqs, k_cache.shape[2], num_splits)](
-        q, k_cache, v_cache, out, *parts, seq_lens, block_tables, scale * LOG2E, *strides,
+        q, k_cache, v_cache, out, *parts, seq_lens, block_tables, scale_log2, v_scale, *strides,
         GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), PAGE_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, SINGLE_SPLIT=num_splits == 1,
-        num_warps=4, num_stages=3 if block_d <= 128 else 2,
+        KV_FP8=kv_fp8, num_warps=4, num_stages=3 if block_d <= 128 else 2,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
