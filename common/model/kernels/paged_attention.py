@@ -12,7 +12,7 @@ for scores and `[BLOCK_M, BLOCK_N] x [BLOCK_N, D]` for P V. Decode is the one-to
 group padded to 16 rows (the smallest dot).
 
 Softmax is online (flash-attention) in base 2: scores are scaled by `scale * log2(e)` and
-exponentiated with exp2. Accumulation is fp32; P is cast to the cache dtype for the P V product.
+exponentiated with exp2. Accumulation is fp32; P is cast to the cache dtype (FP8: to q's) for P V.
 fp32 inputs use `input_precision="ieee"` (no tf32), so fp32 matches the torch reference closely.
 
 FP8 KV: a float8_e4m3fn cache holds `clamp(x / scale, -448, 448)` (round to nearest even; see
