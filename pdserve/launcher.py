@@ -195,7 +195,7 @@ def node_summary(node: NodeProcess, report: dict[str, Any]) -> str:
     weights = info.get("weight_bytes") or 0
     tp = info.get("tp") or 1
     ranks = f", tp {tp}" if tp > 1 else ""
-    kv_dtype = info.get("kv_cache_dtype") or info.get("dtype")
+    kv_dtype = (info.get("kv_format") or {}).get("kv_dtype") or info.get("dtype")
     return (
         f"{node.name} (pid {info.get('pid')}, {info.get('device')}{ranks}, {info.get('dtype')}): "
         f"weights {weights / 1e9:.2f} GB; KV {kv_dtype} {blocks} blocks x {size} = {tokens} "

@@ -86,7 +86,6 @@ def test_an_auto_worker_keeps_its_pool_and_takes_the_checkpoint_scales(model_dir
     kv = worker.kv_cache
     assert kv.pool.dtype == torch.float32 and kv.context_kwargs() == {}
     assert (kv.k_scales, kv.v_scales) == (K_SCALES, V_SCALES)
-    assert worker.runtime.kv_cache_dtype == "float32"
     fmt = worker.runtime.kv_format
     assert (fmt.kv_dtype, fmt.kv_scales, fmt.quantization) == ("float32", "none", "none")
     assert (fmt.num_layers, fmt.num_kv_heads, fmt.block_size) == (2, 2, 16)
@@ -94,7 +93,8 @@ def test_an_auto_worker_keeps_its_pool_and_takes_the_checkpoint_scales(model_dir
 
 def test_the_launcher_summary_shows_the_kv_dtype_and_the_tokens_it_holds():
     info = {"num_kv_blocks": 8192, "block_size": 16, "max_model_len": 2048, "pid": 12,
-            "device": "cuda:1", "dtype": "bfloat16", "kv_cache_dtype": "float8_e4m3fn"}  # fmt: skip
+            "device": "cuda:1", "dtype": "bfloat16",
+            "kv_format": {"kv_dtype": "float8_e4m3fn"}}  # fmt: skip
     line = node_summary(NodeProcess("decode-0", "decode", "tcp://d", [], 1), {"info": info})
     assert "KV float8_e4m3fn 8192 blocks x 16 = 131072 tokens" in line
     assert "max concurrency 64.0 requests of 2048 tokens" in line
@@ -110,6 +110,6 @@ def test_an_fp8_worker_allocates_float8_with_the_checkpoint_scales_and_twice_the
     assert fp8.kv_cache.pool.dtype == torch.float8_e4m3fn
     assert fp8.runtime.num_kv_blocks + 1 == 2 * (bf16.runtime.num_kv_blocks + 1)
     assert fp8.kv_cache.context_kwargs() == {"k_scales": K_SCALES, "v_scales": V_SCALES}
-    assert fp8.runtime.kv_cache_dtype == "float8_e4m3fn"
+    assert fp8.runtime.kv_format.kv_dtype == "float8_e4m3fn"
     assert fp8.runtime.kv_format.kv_scales == "k 0.5,1.0 v 1.0,0.25"
     assert fp8.runtime.kv_format.mismatch(bf16.runtime.kv_format) is not None

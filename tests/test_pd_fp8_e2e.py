@@ -28,7 +28,7 @@ def greedy(stack: PDStack, content: str) -> httpx.Response:
 
 
 def kv_dtypes(stack: PDStack) -> dict[str, str]:
-    return {n["role"]: n["info"]["kv_cache_dtype"] for n in stack.get("/health")[1]["nodes"]}
+    return {n["role"]: n["info"]["kv_format"]["kv_dtype"] for n in stack.get("/health")[1]["nodes"]}
 
 
 @needs_fp8_attention

@@ -61,8 +61,7 @@ class RuntimeInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
-    kv_cache_dtype: str  # the pool's element type: the model dtype, or float8_e4m3fn
-    kv_format: KVFormat  # what a KV peer must match (heartbeats carry it as a dict)
+    kv_format: KVFormat  # the pool's dtype and what a KV peer must match (heartbeats: a dict)
     cuda_graph_sizes: tuple[int, ...] = ()
     cuda_graph_bytes: int = 0  # decode graphs (shared logits buffer included)
     prefill_graph_buckets: tuple[int, ...] = ()  # token counts of the prefill/mixed graphs
@@ -186,7 +185,6 @@ class Worker:
             max_model_len=max_model_len,
             vocab_size=self.spec.vocab_size,
             eos_token_ids=self.spec.eos_token_ids,
-            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             kv_format=self._kv_format(),
             cuda_graph_sizes=tuple(self.runner.graphs.sizes) if self.runner.graphs else (),
             cuda_graph_bytes=graph_bytes,
