@@ -171,8 +171,8 @@ class _Boundary(ForwardContext):
     """Stands in for the attention of each layer while the model runs over a bucket: copies q,
     k, v into the static buffers and returns the static attention output. Capturing (`pool`
     given), that is where one piece's graph ends and the next begins; with `step` (the real
-    token count and the step's attention context: CPU) the attention runs right there, as a replay runs it between
-    pieces; with neither (warm-up) it does not run at all."""
+    token count and the step's attention context: CPU) the attention runs right there, as a
+    replay runs it between pieces; with neither (warm-up) it does not run at all."""
 
     def __init__(
         self,
