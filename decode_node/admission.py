@@ -125,7 +125,12 @@ class PDAdmission:
         self.scheduler, self.channel, self.stats = scheduler, channel, stats
         self.allocator = worker.allocator
         pool = worker.kv_cache.pool
-        transfer = TransferConfig(transport=config.transport, deadline_s=config.transfer_deadline_s)
+        # The receiver refuses KV from a pool of another format (KVReceiver, check_format).
+        transfer = TransferConfig(
+            transport=config.transport,
+            deadline_s=config.transfer_deadline_s,
+            kv_format=worker.runtime.kv_format,
+        )
         self.receiver = create_receiver(transfer, pool, config.kv_address)
         if worker.runner.link is not None:  # rank 0 hands the ranks their heads
             layout = worker.tp.layout(worker.spec)

@@ -11,6 +11,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from common.engine.kv_format import KVFormat
+
 if TYPE_CHECKING:
     import torch
 
@@ -81,6 +83,10 @@ class TransferConfig:
     senders: int = 1
     # How long a closing sender's sockets keep trying to deliver what they were handed.
     close_linger_s: float = 5.0
+    # The pool's format (the node's `RuntimeInfo.kv_format`). A sender announces it in each
+    # transfer's first message; a receiver fails a transfer announcing another one, or none.
+    # None: no announcement and no check (tests of the wire alone).
+    kv_format: KVFormat | None = None
 
     def __post_init__(self) -> None:
         if not self.deadline_s > 0:

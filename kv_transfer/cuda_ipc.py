@@ -10,6 +10,8 @@ format on the same socket: [layer header, payload] frames staged through pinned 
 
 One request, on the socket (ZMQ keeps each connection's order):
   "start" (mode: direct or frames)  [layer frames, frames mode]  "complete" | "abort"
+"start" announces the sender's KV format; one the receiver's pool does not hold fails the
+transfer there (`ReceiverLedger.check_format`) and the sender is told why in a "cancel".
 Direct mode: the sender sends "complete" only once the events of all its writes completed, so
 sender-side DONE and receiver-side DONE both mean the bytes are in the decode pool. Frames mode
 behaves like zmq_transport (sender DONE = the notice was handed to zmq).
@@ -117,17 +119,18 @@ class CudaIpcReceiver(KVReceiver):
         self._frames.close()
 
     # -- ending a transfer from this side ------------------------------------------------------
-    def _stop(self, request_id: str, error: str) -> bool:
+    def _stop(self, request_id: str, error: str, tell: bool = False) -> bool:
         """Stop a transfer this side gave up on. True: nobody writes its blocks any more (the
         caller fails or forgets it). False: a sender may; it is asked to stop and the transfer is
-        reported FAILED(`error`) on its answer or when the grace period ends."""
+        reported FAILED(`error`) on its answer or when the grace period ends. `tell`: the
+        sender's own error names `error` too (a refusal only this side can explain)."""
         entry = self._ledger.table.get(request_id)
         if entry is None:
             return True
         writer = self._writers.get(request_id)
         targets = [writer.identity] if writer is not None else list(self._peers)
         for identity in targets:
-            self._send(identity, Cancel(request_id))
+            self._send(identity, Cancel(request_id, error if tell else ""))
         if writer is not None and not writer.direct:
             return True  # frames mode: its bytes only reach the pool through this receiver
         self._cancelling[request_id] = error
@@ -192,9 +195,11 @@ class CudaIpcReceiver(KVReceiver):
 
     def _start(self, identity: bytes, start: Start) -> None:
         request_id = start.request_id
-        if self._ledger.table.get(request_id) is None:
+        entry = self._ledger.table.get(request_id)
+        if entry is None:
             return  # unexpected or already ended: nothing to start
         self._writers[request_id] = _Writer(identity, start.direct)
+        refusal = self._ledger.check_format(entry, start.kv_format)
         if start.direct and start.session != self._session:
             # It writes through an export of an earlier receiver at this address: not our pool.
             self._send(identity, Reset("the receiver restarted; connect again"))
@@ -204,6 +209,10 @@ class CudaIpcReceiver(KVReceiver):
             self._send(identity, Cancel(request_id))  # it may have begun after the broadcast
             if not start.direct:
                 self._ledger.fail(request_id, self._cancelling.pop(request_id))
+        elif refusal is not None:
+            # A direct sender may be writing already: its blocks stay held until it confirms.
+            if self._stop(request_id, refusal, tell=True):
+                self._ledger.fail(request_id, refusal)
         else:
             self._ledger.started(request_id)
 

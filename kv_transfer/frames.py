@@ -1,7 +1,9 @@
 """Headers of the frames a sender puts on the wire, with one msgpack codec (no torch).
 
 A header is `{"kind": ..., **fields}`. A "layer" header is followed by one payload frame with
-the layer's K and V of the request's blocks; "complete" and "abort" travel alone. Decoding
+the layer's K and V of the request's blocks (raw bytes: an FP8 pool's too); "complete" and
+"abort" travel alone. A sender's first layer frame of a transfer announces its pool's
+`KVFormat`, which the receiver checks before writing anything. Decoding
 checks every field's type, so what reaches the receiver's logic is well-typed; whether it fits
 the expected transfer and the pool is the receiver's check.
 
@@ -33,6 +35,8 @@ class LayerHeader:
     dtype: str  # str(torch dtype) of the payload, e.g. "torch.bfloat16"
     shape: list[int]  # [2, len(block_ids), block_size, heads in this frame, head_dim]
     head_start: int = 0  # the model's KV head number of the frame's first head
+    # The sender's KVFormat as a dict, on each sender's first layer frame of a transfer only.
+    kv_format: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

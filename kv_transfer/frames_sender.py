@@ -71,16 +71,20 @@ class FrameSender:
         # Tensor parallel: this rank's pool holds the model's KV heads from head_start on;
         # `senders` ranks each ship theirs (TransferConfig).
         self._head_start, self._senders = config.head_start, config.senders
+        self._format = None if config.kv_format is None else config.kv_format.to_dict()
         self._queue: deque[_Queued] = deque()
 
     def queue_layers(self, entry: Outgoing, layers: Iterable[int]) -> None:
-        """Stage the layers (final by now) of a transfer the ledger let through."""
+        """Stage the layers (final by now) of a transfer the ledger let through. The first
+        layer frame of the transfer announces the pool's KV format."""
+        announce = self._format if not entry.layers else None
         for layer in layers:
             payload, ready = self._stager.stage(self._pool, layer, entry.transfer.block_ids)
             header = LayerHeader(
                 entry.transfer.request_id, layer, entry.dst_block_ids, str(payload.dtype),
-                list(payload.shape), self._head_start,
+                list(payload.shape), self._head_start, announce,
             )  # fmt: skip
+            announce = None
             frames = [encode_header(header), as_bytes(payload)]
             self._queue.append(_Queued(entry, frames, ready, completes=False))
 

@@ -12,7 +12,8 @@ id) too, since a handle means nothing on another machine or after a reboot.
 Messages (msgpack `{"kind": ..., **fields}`, checked like kv_transfer.frames' headers):
   sender -> receiver  "hello"                 first contact (the sender's first begin())
   receiver -> sender  "export" | "no_export"  the pool handle, or why there is none
-  sender -> receiver  "start"                 a transfer begins; sent before any of its bytes
+  sender -> receiver  "start"                 a transfer begins, in which KV format; before any
+                                              of its bytes
   receiver -> sender  "cancel"                stop writing that request, answer with "abort"
   receiver -> sender  "reset"                 your export is stale (this receiver restarted)
 plus the "layer", "complete" and "abort" headers of kv_transfer.frames.
@@ -76,11 +77,13 @@ class Start:
     request_id: str
     session: str  # of the export the sender writes through ("" when it sends frames)
     direct: bool  # True: the sender writes the pool itself; False: layers come as frames
+    kv_format: dict[str, Any] | None = None  # the sender's KVFormat (the receiver checks it)
 
 
 @dataclass(frozen=True)
 class Cancel:
     request_id: str
+    reason: str = ""  # why the receiver gave up on it (the sender's error says so)
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,8 @@ class CudaIpcSender(KVSender):
         self._destinations: dict[str, _Destination] = {}
         self._jobs: dict[str, _DirectJob] = {}
         self._frames = FrameSender(pool, self._ledger, config, self._socket)
-        self._cancelled: OrderedDict[tuple[str, str], None] = OrderedDict()  # (address, id)
+        self._cancelled: OrderedDict[tuple[str, str], str] = OrderedDict()  # (address, id) -> why
+        self._format = None if config.kv_format is None else config.kv_format.to_dict()
         self._closed = False
 
     def connect(self, dest_address: str) -> Route | None:
@@ -124,8 +125,8 @@ class CudaIpcSender(KVSender):
             )
             return entry.transfer
         if (dest_address, request_id) in self._cancelled:
-            del self._cancelled[dest_address, request_id]
-            self._fail(entry, CANCELLED_BY_RECEIVER)
+            reason = self._cancelled.pop((dest_address, request_id))
+            self._fail(entry, _cancelled(reason))
             return entry.transfer
         writer = dest.writer
         if writer is not None:
@@ -136,7 +137,7 @@ class CudaIpcSender(KVSender):
             pairs = writer.block_pairs(entry.transfer.block_ids, entry.dst_block_ids)
             self._jobs[request_id] = _DirectJob(dest_address, writer, pairs)
         direct = writer is not None
-        start = Start(request_id, dest.session if direct else "", direct=direct)
+        start = Start(request_id, dest.session if direct else "", direct, self._format)
         if not self._send(dest_address, [encode_message(start)]):
             self._fail(entry, f"send queue to {dest_address} is full")
         return entry.transfer
@@ -336,11 +337,11 @@ class CudaIpcSender(KVSender):
         if isinstance(message, Cancel):
             entry = self._ledger.table.get(message.request_id)
             if entry is None:
-                self._cancelled[dest.address, message.request_id] = None
+                self._cancelled[dest.address, message.request_id] = message.reason
                 while len(self._cancelled) > REMEMBERED_CANCELS:
                     self._cancelled.popitem(last=False)
             elif entry.dest_address == dest.address:
-                self._fail(entry, CANCELLED_BY_RECEIVER)
+                self._fail(entry, _cancelled(message.reason))
         elif isinstance(message, Reset):
             log.warning("cuda_ipc: %s: %s", dest.address, message.reason)
             for request_id, job in list(self._jobs.items()):
@@ -356,3 +357,7 @@ class CudaIpcSender(KVSender):
 
     def _send(self, address: str, frames: list[Any]) -> bool:
         return self._frames.send(address, frames)
+
+
+def _cancelled(reason: str) -> str:
+    return f"{CANCELLED_BY_RECEIVER}: {reason}" if reason else CANCELLED_BY_RECEIVER

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from kv_transfer.ipc_handles import OpenedPool
+from kv_transfer.pool_io import raw
 
 
 class DirectWriter:
@@ -38,7 +39,8 @@ class DirectWriter:
         # An IPC-opened pool is mapped for this GPU already; a pool of this process on another
         # GPU (sender and receiver in one process) needs peer access.
         block_copy.enable_peer_access(local.device, self.remote.device)
-        self._copy = block_copy.BlockCopier(local, self.remote)
+        # Bytes are bytes: a float8 pool is copied as uint8 (GPUs without float8 loads too).
+        self._copy = block_copy.BlockCopier(raw(local), raw(self.remote))
 
     @property
     def remote_num_blocks(self) -> int:

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
+from common.engine.kv_format import KVFormat
 from kv_transfer.base import Transfer, TransferConfig, TransferState
 from kv_transfer.frames import LayerHeader
 
@@ -185,6 +186,7 @@ class Incoming:
     heads: dict[int, set[int]] = field(default_factory=dict)  # layer -> heads written so far
     completes: int = 0  # completion notices so far (one per sending prefill rank)
     metadata: dict[str, Any] = field(default_factory=dict)  # merged from the notices
+    announced: bool = False  # a sender announced a KV format that fits this pool
 
 
 class ReceiverLedger:
@@ -208,6 +210,7 @@ class ReceiverLedger:
         # before they touch the pool, so a late frame never writes into a freed block.
         self.late_frames = 0
         self.malformed_frames = 0  # frames that name no request and cannot be decoded
+        self._agreed: dict[str, Any] | None = None  # the last announced format found equal
 
     def expect(self, request_id: str, block_ids: list[int]) -> Transfer:
         if not block_ids:
@@ -237,8 +240,36 @@ class ReceiverLedger:
             self.fail(header.request_id, f"layer {header.layer} heads {heads} arrived twice")
         elif header.block_ids != entry.transfer.block_ids:
             self.fail(header.request_id, "block ids differ from the reservation")
+        elif (error := self.check_format(entry, header.kv_format)) is not None:
+            self.fail(header.request_id, error)
         else:
             return entry
+        return None
+
+    def check_format(self, entry: Incoming, announced: dict[str, Any] | None) -> str | None:
+        """Why KV of a sender that announced `announced` (None: nothing in this message) must
+        not enter this pool, naming both sides' values; None when it may (recorded on `entry`).
+        The one comparison of every transport: senders announce in a transfer's first message
+        (their first layer frame, or cuda_ipc's "start"), checked before anything is written."""
+        mine = self.config.kv_format
+        if mine is None:
+            return None
+        if announced is None:
+            if entry.announced:
+                return None
+            return f"the sender announced no KV format; this decode pool holds {mine.describe()}"
+        if announced != self._agreed:
+            try:
+                theirs = KVFormat.from_dict(announced)
+            except ValueError as exc:
+                return f"the sender announced a malformed KV format: {exc}"
+            diff = theirs.mismatch(mine, ("prefill node, sender", "decode node, receiver"))
+            if diff is not None:
+                log.warning("refused KV of another format for %s: %s", entry.transfer.request_id,
+                            diff)  # fmt: skip
+                return f"the KV pools of the two nodes differ: {diff}"
+            self._agreed = dict(announced)
+        entry.announced = True
         return None
 
     def layer_written(self, entry: Incoming, layer: int, heads: range | None = None) -> None:
@@ -269,7 +300,8 @@ class ReceiverLedger:
         self.table.finish(request_id, TransferState.DONE)
 
     def started(self, request_id: str) -> Incoming | None:
-        """A sender announced the transfer (transports whose sender writes the pool itself)."""
+        """A sender announced the transfer (transports whose sender writes the pool itself);
+        its format passed `check_format`."""
         entry = self._known(request_id, "start")
         if entry is not None and entry.transfer.state is TransferState.PENDING:
             entry.transfer.move_to(TransferState.IN_FLIGHT)

@@ -126,6 +126,7 @@ class LoopbackSender(KVSender):
     def __init__(self, pool: torch.Tensor, config: TransferConfig) -> None:
         self._pool = pool
         self._ledger = SenderLedger(config, num_layers=pool.shape[0], num_blocks=pool.shape[2])
+        self._format = None if config.kv_format is None else config.kv_format.to_dict()
 
     def begin(
         self,
@@ -147,9 +148,11 @@ class LoopbackSender(KVSender):
             self._fail(entry, reason)
             return
         payload = gather_layer(self._pool, layer, entry.transfer.block_ids)
+        announce = self._format if not entry.layers else None  # the first layer's frame
         header = LayerHeader(
-            request_id, layer, entry.dst_block_ids, str(payload.dtype), list(payload.shape)
-        )
+            request_id, layer, entry.dst_block_ids, str(payload.dtype), list(payload.shape),
+            kv_format=announce,
+        )  # fmt: skip
         receiver.write_layer(header, payload)
         self._ledger.layer_sent(entry, layer)
 

@@ -3,7 +3,9 @@
 The pool is `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`; a layer payload
 is `pool[layer][:, block_ids]`, shape `[2, n, block_size, num_kv_heads, head_dim]`, contiguous.
 Device-agnostic: on CUDA the gather runs on the GPU and the host copy is asynchronous
-(HostStager); the write side copies host to device before scattering.
+(HostStager); the write side copies host to device before scattering. KV moves as bytes: a
+float8 pool is indexed through a uint8 view (index_copy_ has no float8 kernels), so an FP8
+pool's KV arrives bit for bit.
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ def _index(pool: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
     return torch.tensor(block_ids, dtype=torch.long, device=pool.device)
 
 
+def raw(tensor: torch.Tensor) -> torch.Tensor:
+    """A one-byte dtype (float8) as uint8, same shape and memory; any other as it is."""
+    return tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
+
+
 def upload_ids(ids: list[int], device: torch.device, stream: torch.cuda.Stream) -> torch.Tensor:
     """Block ids as a device tensor, enqueued on `stream`. `torch.tensor(ids, device=cuda)`
     would be a pageable, blocking copy: it would wait for the compute the side stream waits
@@ -42,14 +49,15 @@ def gather_layer(
     pool: torch.Tensor, layer: int, block_ids: list[int], index: torch.Tensor | None = None
 ) -> torch.Tensor:
     """A contiguous copy of the layer's K and V of `block_ids`, on the pool's device."""
-    return pool[layer].index_select(1, _index(pool, block_ids) if index is None else index)
+    index = _index(pool, block_ids) if index is None else index
+    return raw(pool[layer]).index_select(1, index).view(pool.dtype)
 
 
 def scatter_layer(
     pool: torch.Tensor, layer: int, block_ids: list[int], payload: torch.Tensor
 ) -> None:
     """Write a payload (any device, same dtype and layer_shape) into the layer's `block_ids`."""
-    pool[layer].index_copy_(1, _index(pool, block_ids), payload.to(pool.device))
+    raw(pool[layer]).index_copy_(1, _index(pool, block_ids), raw(payload.to(pool.device)))
 
 
 def payload_error(pool: torch.Tensor, header: LayerHeader, nbytes: int) -> str | None:
@@ -141,7 +149,8 @@ def write_heads(
     head_start: int,
     payload: torch.Tensor,
 ) -> None:
-    """Write the heads of `payload` (the model's heads head_start..) that `pool` holds."""
+    """Write the heads of `payload` (the model's heads head_start..) that `pool` holds. A
+    float8 pool takes a payload of its dtype or its bytes (uint8: what a TP rank receives)."""
     frame = range(head_start, head_start + payload.shape[3])
     lo, hi = max(frame.start, pool_heads.start), min(frame.stop, pool_heads.stop)
     if lo >= hi:
@@ -151,7 +160,7 @@ def write_heads(
         scatter_layer(pool, layer, block_ids, part)
         return
     target = pool[layer][:, :, :, lo - pool_heads.start : hi - pool_heads.start]
-    target.index_copy_(1, _index(pool, block_ids), part.to(pool.device))
+    raw(target).index_copy_(1, _index(pool, block_ids), raw(part.to(pool.device)))
 
 
 def write_layer_frame(

@@ -30,7 +30,7 @@ import torch
 from common.engine.tp_link import HAS_LAYER_HOOK, StepDriver
 from common.model.parallel import TPLayout
 from kv_transfer.base import KVSender, Transfer, TransferConfig
-from kv_transfer.pool_io import PoolWriter, write_heads
+from kv_transfer.pool_io import PoolWriter, raw, write_heads
 
 if TYPE_CHECKING:
     from common.engine.worker import Worker
@@ -111,7 +111,8 @@ class TPPoolWriter(PoolWriter):
         write_heads(self.pool, self.heads, layer, block_ids, head_start, payload)
         frame = range(head_start, head_start + payload.shape[3])
         if not self._other_heads.isdisjoint(frame):
-            data = payload.to(self.pool.device, copy=True)  # a received buffer is read-only
+            # A received buffer is read-only; float8 goes as bytes (collectives may lack it).
+            data = raw(payload.to(self.pool.device, copy=True))
             self.link.send_command({"op": "kv", "layer": layer, "blocks": list(block_ids),
                                     "head_start": head_start, "dtype": str(data.dtype),
                                     "shape": list(data.shape)}, data)  # fmt: skip
@@ -190,8 +191,10 @@ def prefill_rank_handler(transfer: TransferConfig, worker: Worker) -> PrefillRan
     layout, rank = worker.tp.layout(worker.spec), worker.tp.rank
     from kv_transfer import create_sender
 
-    # Injected failures (tests) are rank 0's: it aborts, and the ranks follow.
-    config = rank_transfer(dataclasses.replace(transfer, fail_rate=0.0), layout, rank)
+    # Injected failures (tests) are rank 0's: it aborts, and the ranks follow. Each shipping
+    # rank announces its own pool's format.
+    transfer = dataclasses.replace(transfer, fail_rate=0.0, kv_format=worker.runtime.kv_format)
+    config = rank_transfer(transfer, layout, rank)
     pool = worker.kv_cache.pool
     sender = create_sender(config, pool) if config is not None else None
     return PrefillRank(sender, pool.shape[0])

@@ -183,8 +183,9 @@ class Launcher:
 
 
 def node_summary(node: NodeProcess, report: dict[str, Any]) -> str:
-    """`decode-0 (pid 12, cpu, float32): weights 0.27 GB; KV 4096 blocks x 16 = 65536 tokens;
-    max concurrency 32.0 requests of 2048 tokens`."""
+    """`decode-0 (pid 12, cpu, float32): weights 0.27 GB; KV float8_e4m3fn 8192 blocks x 16 =
+    131072 tokens; max concurrency 64.0 requests of 2048 tokens` (an FP8 pool holds twice the
+    tokens of one in the model dtype)."""
     info = report.get("info") or {}
     blocks, size = info.get("num_kv_blocks"), info.get("block_size")
     max_len = info.get("max_model_len")
@@ -194,8 +195,10 @@ def node_summary(node: NodeProcess, report: dict[str, Any]) -> str:
     weights = info.get("weight_bytes") or 0
     tp = info.get("tp") or 1
     ranks = f", tp {tp}" if tp > 1 else ""
+    kv_dtype = (info.get("kv_format") or {}).get("kv_dtype") or info.get("dtype")
     return (
         f"{node.name} (pid {info.get('pid')}, {info.get('device')}{ranks}, {info.get('dtype')}): "
-        f"weights {weights / 1e9:.2f} GB; KV {blocks} blocks x {size} = {tokens} tokens; "
+        f"weights {weights / 1e9:.2f} GB; KV {kv_dtype} {blocks} blocks x {size} = {tokens} "
+        f"tokens; "
         f"max concurrency {tokens / max_len:.1f} requests of {max_len} tokens"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -49,6 +50,8 @@ class PrefillNode:
         # Synchronous: the first token leaves as soon as it is sampled, and steps ship KV per layer.
         self.core = EngineCore(self.worker, self.scheduler, overlap=False)
         # Tensor parallel: rank 0 ships its KV heads, its ranks theirs (kv_transfer/tp.py).
+        # Each transfer announces the pool's format; a decode pool of another one refuses it.
+        transfer = dataclasses.replace(transfer, kv_format=self.worker.runtime.kv_format)
         layout = self.worker.tp.layout(self.worker.spec)
         pool = self.worker.kv_cache.pool
         self.sender = create_sender(rank_transfer(transfer, layout, 0), pool)

@@ -31,7 +31,7 @@ from router.metrics import NodeCollector, RouterMetrics
 from router.node_link import NodeLink, SendError
 from router.policy import Candidate, LoadLedger, create_policy
 from router.prepare import ModelLimits, PreparedRequest
-from router.registry import NodeRegistry, NodeState
+from router.registry import NodeRegistry, NodeState, kv_mismatch
 
 log = logging.getLogger(__name__)
 
@@ -150,12 +150,17 @@ class RouterCore:
             raise OpenAIError(
                 503, f"no healthy {decode_role} node (none has sent a heartbeat in time)"
             )
+        partners: dict[str, list[NodeState]] = {}  # decode node -> prefill nodes of its KV
+        if prefills:
+            partners = {d.node_id: [p for p in prefills if not kv_mismatch(p, d)] for d in decodes}
+            decodes = [d for d in decodes if partners[d.node_id]]
+            if not decodes:
+                raise _no_kv_partners(prefills, self.registry.healthy("decode", now))
         decode = self._choose("decode", [self._decode_candidate(n) for n in decodes], prompt)
         prefill = None
         if prefills:
-            prefill = self._choose(
-                "prefill", [self._prefill_candidate(n) for n in prefills], prompt
-            )
+            candidates = [self._prefill_candidate(n) for n in partners[decode.node_id]]
+            prefill = self._choose("prefill", candidates, prompt)
         chosen = [n for n in (prefill, decode) if n is not None]
         limits = ModelLimits(
             max_model_len=min(n.info["max_model_len"] for n in chosen),
@@ -287,6 +292,18 @@ class RouterCore:
         failed = self.events.node_lost(node_id, reason)
         if failed:
             log.error("node %s lost (%s): failing %d requests", node_id, reason, len(failed))
+
+
+def _no_kv_partners(prefills: list[NodeState], decodes: list[NodeState]) -> OpenAIError:
+    """A 503, as for any missing healthy path: the request is valid and the nodes are up, but
+    no prefill node's KV pool matches a decode node's (a deployment error, which a node that
+    matches may join to fix); the message names the nodes and what differs."""
+    pairs = [(p, d, kv_mismatch(p, d)) for d in decodes for p in prefills][:4]
+    details = "; ".join(f"prefill node {p.node_id} vs decode node {d.node_id}: {diff}"
+                        for p, d, diff in pairs)  # fmt: skip
+    return OpenAIError(
+        503, f"no healthy prefill node holds KV in the format of a healthy decode node: {details}"
+    )
 
 
 def _positive_int(value: Any) -> int:

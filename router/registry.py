@@ -7,7 +7,8 @@ without one; a dead node that was not a seed is forgotten after `forget_after` s
 node that comes back (same address: a restart is detected by its changed pid / instance id)
 is admitted again. A draining node (it got SIGTERM) is alive but gets no new requests. Every
 method takes `now` (a monotonic timestamp) explicitly, so liveness is testable without
-sleeping.
+sleeping. A prefill and a decode node exchange KV only if their heartbeats' `kv_format` are
+equal (`kv_mismatch`); the registry logs each mismatched pair once, when it first sees it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.engine.kv_format import KVFormat
 from common.protocol.messages import Heartbeat
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,7 @@ class NodeRegistry:
         self.nodes: dict[str, NodeState] = {n: NodeState(n, "prefill") for n in prefill}
         self.nodes.update({n: NodeState(n, decode_role) for n in decode})
         self.seeds = frozenset(self.nodes)
+        self._mismatches_logged: set[tuple[str, str, str]] = set()
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -105,7 +108,24 @@ class NodeRegistry:
         if not node.alive and node.problem is None:
             log.info("node %s (%s) is up", node.node_id, node.role)
         node.alive = node.problem is None
+        if node.alive and node.role in ("prefill", "decode"):
+            self._log_kv_mismatches(node)
         return lapsed or restarted
+
+    def _log_kv_mismatches(self, node: NodeState) -> None:
+        other_role = "decode" if node.role == "prefill" else "prefill"
+        for other in self.nodes.values():
+            if other.role != other_role or not other.alive:
+                continue
+            prefill, decode = (node, other) if node.role == "prefill" else (other, node)
+            diff = kv_mismatch(prefill, decode)
+            key = (prefill.node_id, decode.node_id, diff or "")
+            if diff is not None and key not in self._mismatches_logged:
+                self._mismatches_logged.add(key)
+                log.error(
+                    "prefill node %s and decode node %s cannot exchange KV (the router pairs "
+                    "neither with the other): %s", prefill.node_id, decode.node_id, diff,
+                )  # fmt: skip
 
     def sweep(self, now: float) -> list[str]:
         """Nodes that died since the last sweep (each reported once)."""
@@ -171,4 +191,21 @@ class NodeRegistry:
                 return f"heartbeat info has no positive integer {key!r}"
         if node.role == "decode" and not isinstance(hb.info.get("kv_address"), str):
             return "heartbeat info has no 'kv_address'"
+        if "kv_format" in hb.info:
+            try:
+                KVFormat.from_dict(hb.info["kv_format"])
+            except ValueError as exc:
+                return f"heartbeat info has a malformed 'kv_format': {exc}"
         return None
+
+
+def kv_mismatch(prefill: NodeState, decode: NodeState) -> str | None:
+    """How the two nodes' KV pools differ, field by field with both values; None when KV may
+    move between them. A node whose heartbeat names no format matches only another such."""
+    mine, theirs = prefill.info.get("kv_format"), decode.info.get("kv_format")
+    if mine == theirs:
+        return None
+    if mine is None or theirs is None:
+        described = [KVFormat.from_dict(f).describe() if f else "unknown" for f in (mine, theirs)]
+        return f"kv_format {described[0]} (prefill) vs {described[1]} (decode)"
+    return KVFormat.from_dict(mine).mismatch(KVFormat.from_dict(theirs), ("prefill", "decode"))

@@ -42,11 +42,9 @@ def sender(harness):
     made = []
 
     def make(h: DecodeHarness):
-        made.append(
-            create_sender(
-                TransferConfig(transport="zmq"), torch.zeros(h.node.worker.kv_cache.pool.shape)
-            )
-        )
+        kv_format = h.node.worker.runtime.kv_format  # the decode pool refuses any other
+        config = TransferConfig(transport="zmq", kv_format=kv_format)
+        made.append(create_sender(config, torch.zeros(h.node.worker.kv_cache.pool.shape)))
         return made[-1]
 
     yield make

@@ -7,6 +7,7 @@ and the direct path: tests/test_kv_transfer_cuda_ipc.py).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import threading
@@ -17,6 +18,7 @@ import pytest
 import torch
 import zmq
 
+from common.engine.kv_format import KVFormat
 from kv_transfer import (
     TRANSPORTS,
     KVReceiver,
@@ -29,6 +31,7 @@ from kv_transfer import (
 )
 from kv_transfer.cuda_ipc import CudaIpcSender, Route
 from kv_transfer.loopback import LoopbackReceiver, LoopbackSender
+from kv_transfer.pool_io import write_heads
 from kv_transfer.zmq_transport import ZmqReceiver, ZmqSender
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 3, 12, 4, 2, 8
@@ -130,11 +133,13 @@ def make_pair(transport):
     shaken hands); closes them after."""
     opened: list = []
 
-    def make(dtype=torch.float32, dst_dtype=None, **config_kwargs):
+    def make(dtype=torch.float32, dst_dtype=None, formats=(None, None), **config_kwargs):
+        """`formats`: the sender's and the receiver's KVFormat (None: announced / checked not)."""
         config = TransferConfig(transport=transport, **config_kwargs)
         src, dst = make_pool(dtype, seed=1), make_pool(dst_dtype or dtype, seed=2)
-        receiver = create_receiver(config, dst, bind_address(transport))
-        sender = create_sender(config, src)
+        receiver_config = dataclasses.replace(config, kv_format=formats[1])
+        receiver = create_receiver(receiver_config, dst, bind_address(transport))
+        sender = create_sender(dataclasses.replace(config, kv_format=formats[0]), src)
         opened.extend([sender, receiver])
         if isinstance(sender, CudaIpcSender):
             handshake(sender, receiver)
@@ -179,6 +184,75 @@ def test_shuffled_layers_land_exactly_in_the_reserved_blocks(make_pair, dtype):
     sent = poll_sender_until_terminal(sender, set(MAPPINGS))
     assert {t.state for t in sent.values()} == {TransferState.DONE}
     assert sender.poll() == []  # reported once, then forgotten
+
+
+FP8 = torch.float8_e4m3fn
+FP8_FORMAT = KVFormat("float8_e4m3fn", "all 1.0", "none", NUM_LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE)
+
+
+def raw_blocks(pool: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+    """The blocks' bytes: equal bytes is what bit exact means (and float8 has NaNs)."""
+    return blocks(pool, block_ids).view(torch.uint8)
+
+
+def test_fp8_pools_of_one_format_arrive_bit_exact(make_pair):
+    sender, receiver, src, dst = make_pair(FP8, formats=(FP8_FORMAT, FP8_FORMAT))
+    before = dst.clone()
+    for rid, (src_ids, dst_ids) in MAPPINGS.items():
+        receiver.expect(rid, dst_ids)
+        sender.begin(rid, receiver.address, src_ids, dst_ids)
+        sender.send_layers(rid, range(1, NUM_LAYERS))  # the announcing frame is not layer 0
+        sender.send_layer(rid, 0)
+        sender.complete(rid, {})
+    done, sent = poll_both_until_terminal(sender, receiver, set(MAPPINGS))
+    assert {t.state for t in [*done.values(), *sent.values()]} == {TransferState.DONE}
+    for src_ids, dst_ids in MAPPINGS.values():
+        assert torch.equal(raw_blocks(dst, dst_ids), raw_blocks(src, src_ids))
+    untouched = [b for b in range(NUM_BLOCKS) if b not in {5, 9, 3, 0, 1, 2, 11, 7}]
+    assert torch.equal(raw_blocks(dst, untouched), raw_blocks(before, untouched))
+
+
+def test_a_sender_of_another_kv_format_is_refused_naming_both_and_writes_nothing(make_pair):
+    """Equal pools (both float8) whose scales differ: every byte would fit, and every value
+    would read back wrong. The receiver refuses at the transfer's first message."""
+    theirs = dataclasses.replace(FP8_FORMAT, kv_scales="all 0.5")
+    sender, receiver, _, dst = make_pair(FP8, formats=(theirs, FP8_FORMAT))
+    before = dst.clone()
+    receiver.expect("r", [3, 4])
+    sender.begin("r", receiver.address, [0, 1], [3, 4])
+    send_all(sender, "r")
+    done, sent = poll_both_until_terminal(sender, receiver, {"r"})
+    both = "kv_scales all 0.5 (prefill node, sender) vs all 1.0 (decode node, receiver)"
+    assert done["r"].state is TransferState.FAILED and both in done["r"].error
+    assert not done["r"].answered_by_sender  # the decode node answers the router itself
+    assert torch.equal(dst.view(torch.uint8), before.view(torch.uint8))
+    # Frames are all out before any answer (cuda_ipc's direct writer waits for its copies and
+    # hears the refusal: tests/test_kv_transfer_cuda_ipc_gpu.py): the sender's caller frees its
+    # blocks on DONE as on FAILED.
+    assert sent["r"].state is TransferState.DONE
+
+
+def test_a_receiver_with_a_format_refuses_a_sender_that_announces_none(make_pair):
+    sender, receiver, _, _ = make_pair(formats=(None, FP8_FORMAT))
+    receiver.expect("r", [3])
+    sender.begin("r", receiver.address, [0], [3])
+    send_all(sender, "r")
+    (t,) = poll_until_terminal(receiver, {"r"}).values()
+    assert t.state is TransferState.FAILED and "announced no KV format" in t.error
+    assert FP8_FORMAT.describe() in t.error
+
+
+def test_fp8_heads_land_bit_exact_from_a_frame_or_from_its_bytes():
+    """A tensor-parallel decode node: rank 0 writes its heads from the received float8 frame
+    and hands the frame to the other ranks as bytes (collectives may lack float8)."""
+    pool = make_pool(FP8, seed=3)
+    frame = pool[1][:, [0, 1]]
+    halves = [torch.zeros_like(pool[..., :1, :]) for _ in range(2)]
+    write_heads(halves[0], range(0, 1), 1, [4, 5], 0, frame)
+    write_heads(halves[1], range(1, 2), 1, [4, 5], 0, frame.view(torch.uint8))
+    for head, half in enumerate(halves):
+        want = pool[1][:, [0, 1], :, head : head + 1]
+        assert torch.equal(half[1][:, [4, 5]].view(torch.uint8), want.view(torch.uint8))
 
 
 def test_send_layers_ships_a_range_and_refuses_a_layer_sent_twice(make_pair):
@@ -542,10 +616,11 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @cuda
 @zmq_and_loopback_only  # cuda_ipc's direct path: tests/test_kv_transfer_cuda_ipc_gpu.py
-def test_cuda_pools_transfer_exactly(transport):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8])
+def test_cuda_pools_transfer_exactly(transport, dtype):
     config = TransferConfig(transport=transport)
-    src = make_pool(torch.bfloat16, 1).cuda()
-    dst = make_pool(torch.bfloat16, 2).cuda()
+    src = make_pool(dtype, 1).cuda()
+    dst = make_pool(dtype, 2).cuda()
     before = dst.clone()
     with create_receiver(config, dst, bind_address(transport)) as receiver:
         with create_sender(config, src) as sender:
@@ -558,9 +633,9 @@ def test_cuda_pools_transfer_exactly(transport):
             done, sent = poll_both_until_terminal(sender, receiver, set(MAPPINGS))
     assert {t.state for t in [*done.values(), *sent.values()]} == {TransferState.DONE}
     for src_ids, dst_ids in MAPPINGS.values():
-        assert torch.equal(blocks(dst, dst_ids), blocks(src, src_ids))
+        assert torch.equal(raw_blocks(dst, dst_ids), raw_blocks(src, src_ids))
     untouched = [b for b in range(NUM_BLOCKS) if b not in {5, 9, 3, 0, 1, 2, 11, 7}]
-    assert torch.equal(blocks(dst, untouched), blocks(before, untouched))
+    assert torch.equal(raw_blocks(dst, untouched), raw_blocks(before, untouched))
 
 
 @cuda

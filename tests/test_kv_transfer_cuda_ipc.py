@@ -139,7 +139,7 @@ def test_the_ipc_codec_also_decodes_the_frames_headers():
         ({"kind": "start", "request_id": "r", "session": "s", "direct": 1}, "r"),
         ({"kind": "start", "request_id": "r", "session": "s", "direct": True, "x": 0}, "r"),
         ({"kind": "cancel", "request_id": 7}, None),
-        ({"kind": "cancel", "request_id": "r", "reason": "extra"}, "r"),
+        ({"kind": "cancel", "request_id": "r", "extra": "field"}, "r"),
         ({"kind": "export", "session": "s"}, None),
         ({**encode_fields(a_pool_export()), "storage_handle": "a str, not bytes"}, None),
         ({**encode_fields(a_pool_export()), "event_sync_required": None}, None),

@@ -13,6 +13,7 @@ tensors. The expected values are recomputed there from the seeds both sides use.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import queue
 import random
@@ -26,6 +27,8 @@ from typing import Any
 import pytest
 import torch
 from test_kv_transfer import (  # tests/ is on sys.path under pytest
+    FP8,
+    FP8_FORMAT,
     MAPPINGS,
     NUM_BLOCKS,
     NUM_LAYERS,
@@ -33,8 +36,10 @@ from test_kv_transfer import (  # tests/ is on sys.path under pytest
     blocks,
     handshake,
     make_pool,
+    poll_both_until_terminal,
     poll_sender_until_terminal,
     poll_until_terminal,
+    raw_blocks,
 )
 from test_kv_transfer_cuda_ipc import ADDRESS
 
@@ -327,3 +332,42 @@ def test_gpu_direct_abort_and_deadline_end_both_sides():
     # at expect, earlier) made it ask the sender to stop first: either way only after the sender.
     assert remote["slow"].state is TransferState.FAILED
     assert remote["slow"].error in ("deadline exceeded", "aborted by sender: deadline exceeded")
+
+
+@needs_gpu
+def test_gpu_fp8_pools_are_written_directly_bit_exact():
+    config = dataclasses.replace(GPU_CONFIG, kv_format=FP8_FORMAT)
+    dst = make_pool(FP8, seed=2).to("cuda:0")
+    src = make_pool(FP8, seed=1).to("cuda:0")
+    with CudaIpcReceiver(dst, config, ADDRESS) as receiver, CudaIpcSender(src, config) as sender:
+        assert handshake(sender, receiver).direct  # the copy kernel moves float8 as bytes
+        for rid, (src_ids, dst_ids) in MAPPINGS.items():
+            receiver.expect(rid, dst_ids)
+            sender.begin(rid, receiver.address, src_ids, dst_ids)
+            sender.send_layers(rid, range(NUM_LAYERS))
+            sender.complete(rid, {})
+        done, sent = poll_both_until_terminal(sender, receiver, set(MAPPINGS))
+    assert {t.state for t in [*done.values(), *sent.values()]} == {TransferState.DONE}
+    for src_ids, dst_ids in MAPPINGS.values():
+        assert torch.equal(raw_blocks(dst, dst_ids), raw_blocks(src, src_ids))
+
+
+@needs_gpu
+def test_gpu_a_direct_writer_of_another_kv_format_is_refused_and_told_why():
+    """Its "start" names the format: the receiver holds the blocks until the sender, told why
+    in the "cancel", confirms its writes are over; both sides' errors name both formats."""
+    theirs = dataclasses.replace(FP8_FORMAT, kv_scales="all 0.5")
+    dst = torch.zeros(SHAPE, dtype=FP8, device="cuda:0")
+    receiver_config = dataclasses.replace(GPU_CONFIG, kv_format=FP8_FORMAT)
+    sender_config = dataclasses.replace(GPU_CONFIG, kv_format=theirs)
+    with CudaIpcReceiver(dst, receiver_config, ADDRESS, cancel_grace_s=30.0) as receiver:
+        with CudaIpcSender(make_pool(FP8, seed=1).to("cuda:0"), sender_config) as sender:
+            assert handshake(sender, receiver).direct
+            receiver.expect("r", [3, 4])
+            sender.begin("r", receiver.address, [0, 1], [3, 4])
+            sender.send_layer("r", 0)
+            done, sent = poll_both_until_terminal(sender, receiver, {"r"})
+    both = "kv_scales all 0.5 (prefill node, sender) vs all 1.0 (decode node, receiver)"
+    assert done["r"].state is TransferState.FAILED and both in done["r"].error
+    assert sent["r"].state is TransferState.FAILED and both in sent["r"].error
+    assert sent["r"].error.startswith(CANCELLED_BY_RECEIVER)

@@ -65,6 +65,19 @@ def test_descriptors_refuse_layers_and_blocks_outside_either_pool(layers, runs, 
         layer_descriptors(region(make_pool(10, 0)), region(make_pool(6, 1)), layers, runs)
 
 
+def test_fp8_pools_are_addressed_by_their_one_byte_elements():
+    fp8 = torch.float8_e4m3fn
+    local, remote = make_pool(10, 0, fp8), make_pool(6, 1, fp8)
+    src, dst = layer_descriptors(region(local), region(remote), range(2), [Run(2, 4, 2)])
+    for (layer, kv), s, d in zip([(0, 0), (0, 1), (1, 0), (1, 1)], src, dst, strict=True):
+        assert int(s[0]) == local[layer, kv, 2].data_ptr()
+        assert int(d[0]) == remote[layer, kv, 4].data_ptr()
+        assert int(s[1]) == int(d[1]) == 2 * BLOCK_SIZE * HEADS * HEAD_DIM  # bytes
+    bf16 = make_pool(6, 1, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="pool layouts differ"):
+        layer_descriptors(region(local), region(bf16), range(1), [Run(0, 0, 1)])
+
+
 def test_descriptors_refuse_pools_of_different_block_layouts():
     other = make_pool(6, 1, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="pool layouts differ"):

@@ -15,6 +15,8 @@ from typing import Any
 
 from common.model.quantization.config import QUANTIZATION_CHOICES
 
+KV_CACHE_DTYPES = ("auto", "fp8")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -75,8 +77,22 @@ class CacheConfig:
     enable_prefix_caching: bool = field(
         default=True, metadata={"help": "reuse KV of identical prompt prefixes"}
     )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "auto (KV in the model dtype) or fp8 (float8_e4m3fn, twice the tokens in "
+            "the same memory: per-layer K and V scales from the checkpoint, else 1.0, inside "
+            "whose +-448 range Llama-family K and V stay; values beyond saturate). Prefill and "
+            "decode nodes must agree",
+            "choices": KV_CACHE_DTYPES,
+        },
+    )
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if not 0.0 < self.kv_memory_fraction <= 1.0:

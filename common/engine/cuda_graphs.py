@@ -146,6 +146,7 @@ class DecodeGraphs:
             self.kv_cache.k_caches,
             self.kv_cache.v_caches,
             self.scale,
+            **self.kv_cache.context_kwargs(),
         )
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], ctx)
         return self.model.compute_logits(hidden, out=self.logits[:bs])

@@ -5,23 +5,42 @@ the contiguous view `[num_blocks + 1, block_size, num_kv_heads, head_dim]`. One 
 one CUDA IPC handle exports the whole pool to a prefill node. The extra last block belongs to no
 sequence: padding rows of a captured CUDA-graph batch write their KV there (`padding_slot`),
 so a captured step needs no data-dependent branch.
+
+`--kv-cache-dtype fp8` stores K and V as float8_e4m3fn with one scale per layer for K and one
+for V: stored = clamp(x / scale, -448, 448), read = stored * scale. Scales come from the
+checkpoint (`self_attn.k_scale` / `v_scale`), else 1.0: Llama-family K and V stay far inside
++-448, and a value beyond saturates rather than overflowing. A pool in the model dtype ignores
+them, and its attention calls are exactly those of a model without FP8 KV.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 
+from common.engine.config import KV_CACHE_DTYPES
 from common.model.spec import ModelSpec
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
+FP8_KV_DTYPE = torch.float8_e4m3fn
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's element type for `--kv-cache-dtype`: auto is the model dtype."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {name!r}")
+    return FP8_KV_DTYPE if name == "fp8" else model_dtype
 
 
 @dataclass
 class KVCache:
     pool: torch.Tensor
     block_size: int
+    # Per layer (FP8 pools only read them): x = stored * scale. Empty means 1.0 for every layer.
+    k_scales: list[float] = field(default_factory=list)
+    v_scales: list[float] = field(default_factory=list)
 
     @classmethod
     def allocate(
@@ -31,9 +50,12 @@ class KVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        k_scales: list[float] | None = None,
+        v_scales: list[float] | None = None,
     ) -> KVCache:
         shape = (spec.num_layers, 2, num_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device), block_size)
+        pool = torch.zeros(shape, dtype=dtype, device=device)
+        return cls(pool, block_size, list(k_scales or []), list(v_scales or []))
 
     @property
     def num_blocks(self) -> int:
@@ -44,15 +66,37 @@ class KVCache:
     def padding_slot(self) -> int:
         return self.num_blocks * self.block_size
 
+    @property
+    def is_fp8(self) -> bool:
+        return self.pool.dtype == FP8_KV_DTYPE
+
+    def context_kwargs(self) -> dict[str, list[float]]:
+        """The scale arguments of every `ForwardContext` over this pool: none for a pool in the
+        model dtype, the per-layer scales for an FP8 one."""
+        if not self.is_fp8:
+            return {}
+        return {"k_scales": self.k_scales, "v_scales": self.v_scales}
+
     def __post_init__(self) -> None:
+        num_layers = self.pool.shape[0]
+        for name in ("k_scales", "v_scales"):
+            scales = getattr(self, name) or [1.0] * num_layers
+            bad = [s for s in scales if not (math.isfinite(s) and s > 0)]
+            if len(scales) != num_layers or bad:
+                raise ValueError(
+                    f"{name} must be {num_layers} positive finite floats, got {len(scales)} "
+                    f"with {bad[:4]} bad"
+                )
+            setattr(self, name, [float(s) for s in scales])
         # Per-layer views, made once: the prefill graphs index them on every layer of a step.
-        layers = range(self.pool.shape[0])
+        layers = range(num_layers)
         self.k_caches: list[torch.Tensor] = [self.pool[layer, 0] for layer in layers]
         self.v_caches: list[torch.Tensor] = [self.pool[layer, 1] for layer in layers]
 
 
 def block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
-    return spec.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()) * block_size
+    """K and V of every layer for one block, in the pool's dtype (an FP8 block: half bf16's)."""
+    return spec.kv_bytes_per_token(dtype.itemsize) * block_size
 
 
 def num_blocks_for_budget(

@@ -18,13 +18,15 @@ def step_peak_bytes(
     backend: AttentionBackend,
     block_size: int,
     prompt_lengths: list[int],
+    kv_dtype: torch.dtype | None = None,
 ) -> int:
     """Peak memory, above what was allocated before, of one eager step that prefills one
-    sequence per length (each on its own scratch blocks). Leaves the device's peak statistic
-    at that step's peak (`gpu_kv_budget` reads it)."""
+    sequence per length (each on its own scratch blocks, in `kv_dtype`, default the model's:
+    an FP8 pool runs the FP8 kernels). Leaves the device's peak statistic at that step's peak
+    (`gpu_kv_budget` reads it)."""
     device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
     blocks = [-(-n // block_size) for n in prompt_lengths]
-    scratch = KVCache.allocate(model.spec, sum(blocks), block_size, dtype, device)
+    scratch = KVCache.allocate(model.spec, sum(blocks), block_size, kv_dtype or dtype, device)
     runner = ModelRunner(model, scratch, backend, device)
     batch, first = ScheduledBatch(), 0
     for i, (n, count) in enumerate(zip(prompt_lengths, blocks, strict=True)):

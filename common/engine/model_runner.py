@@ -136,6 +136,7 @@ class ModelRunner:
         self.logits_processors: LogitsProcessors | None = None
         self._k_caches = kv_cache.k_caches
         self._v_caches = kv_cache.v_caches
+        self._kv_scales = kv_cache.context_kwargs()  # FP8 pools only
         self.link: StepDriver | None = None  # rank 0 of several: drives the other ranks
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> int:
@@ -323,6 +324,7 @@ class ModelRunner:
             self._v_caches,
             self.scale,
             on_layer_done,
+            **self._kv_scales,
         )
         input_ids = self._tensor(h.input_ids, torch.int64)
         if fill is not None:

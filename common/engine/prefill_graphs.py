@@ -83,9 +83,9 @@ class PrefillGraphs:
         for bucket in reversed(self.buckets):
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self._run(bucket, _Boundary(self, bucket, None, None))  # warm-up, autotune
+                self._run(bucket, _Boundary(self, bucket, None))  # warm-up, autotune
                 torch.cuda.synchronize()
-                boundary = _Boundary(self, bucket, None, None, pool=pool)
+                boundary = _Boundary(self, bucket, None, pool=pool)
                 boundary.begin_piece()
                 self._run(bucket, boundary)
                 boundary.end_piece()
@@ -131,7 +131,8 @@ class PrefillGraphs:
             if self.on_cuda:
                 self._replay(bucket, n, metadata, on_layer_done)
             else:
-                self._run(bucket, _Boundary(self, bucket, (n, metadata), on_layer_done))
+                step = (n, self._context(metadata, on_layer_done))
+                self._run(bucket, _Boundary(self, bucket, step))
         except BaseException:
             if self.on_cuda:
                 torch.cuda.synchronize()
@@ -144,47 +145,43 @@ class PrefillGraphs:
         self, bucket: int, n: int, metadata: AttentionMetadata, hook: LayerHook | None
     ) -> None:
         pieces = self.pieces[bucket]
+        ctx = self._context(metadata, hook)
         pieces[0].replay()
         for layer, piece in enumerate(pieces[1:]):
-            self.attend(layer, n, metadata, hook)
+            self.attend(layer, n, ctx)
             piece.replay()
 
-    def attend(
-        self, layer: int, n: int, metadata: AttentionMetadata, hook: LayerHook | None
-    ) -> None:
+    def _context(self, metadata: AttentionMetadata, hook: LayerHook | None) -> ForwardContext:
+        """The step's attention over the pool, as an eager step builds it (FP8 scales too)."""
+        kv = self.kv_cache
+        return ForwardContext(
+            self.backend, metadata, kv.k_caches, kv.v_caches, self.scale, hook,
+            **kv.context_kwargs(),
+        )  # fmt: skip
+
+    def attend(self, layer: int, n: int, ctx: ForwardContext) -> None:
         """The eager part between two pieces: layer `layer`'s attention over the first `n`
-        (real) rows of the static q, k, v (writing their KV), into `attn_out`; then the
-        per-layer hook."""
-        out = self.backend.forward(
-            self.q[:n],
-            self.k[:n],
-            self.v[:n],
-            self.kv_cache.k_caches[layer],
-            self.kv_cache.v_caches[layer],
-            metadata,
-            self.scale,
-        )
+        (real) rows of the static q, k, v (writing their KV), into `attn_out`; the context
+        runs the per-layer hook once the layer's KV is written."""
+        out = ctx.attention(layer, self.q[:n], self.k[:n], self.v[:n])
         self.attn_out[:n].copy_(out)
-        if hook is not None:
-            hook(layer)
 
 
 class _Boundary(ForwardContext):
     """Stands in for the attention of each layer while the model runs over a bucket: copies q,
     k, v into the static buffers and returns the static attention output. Capturing (`pool`
     given), that is where one piece's graph ends and the next begins; with `step` (the real
-    token count and metadata: CPU) the attention runs right there, as a replay runs it between
-    pieces; with neither (warm-up) it does not run at all."""
+    token count and the step's attention context: CPU) the attention runs right there, as a
+    replay runs it between pieces; with neither (warm-up) it does not run at all."""
 
     def __init__(
         self,
         owner: PrefillGraphs,
         bucket: int,
-        step: tuple[int, AttentionMetadata] | None,
-        hook: LayerHook | None,
+        step: tuple[int, ForwardContext] | None,
         pool: object | None = None,
     ) -> None:
-        self.owner, self.bucket, self.step, self.hook = owner, bucket, step, hook
+        self.owner, self.bucket, self.step = owner, bucket, step
         self.pool = pool
         self.graphs: list[torch.cuda.CUDAGraph] = []
 
@@ -207,5 +204,5 @@ class _Boundary(ForwardContext):
             self.end_piece()
             self.begin_piece()
         elif self.step is not None:
-            o.attend(layer, *self.step, self.hook)
+            o.attend(layer, *self.step)
         return o.attn_out[:b]

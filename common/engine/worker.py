@@ -24,8 +24,10 @@ from common.engine.kv_cache import (
     DEFAULT_CPU_KV_BYTES,
     KVCache,
     gpu_kv_budget,
+    kv_cache_dtype,
     num_blocks_for_budget,
 )
+from common.engine.kv_format import KVFormat, quantization_name, scales_summary
 from common.engine.logits_processors import LogitsProcessors
 from common.engine.memory_probe import graph_margin, step_peak_bytes
 from common.engine.model_runner import ModelRunner
@@ -37,6 +39,7 @@ from common.model.attention.selection import choose_backend
 from common.model.distributed import TPGroup
 from common.model.loader import build_model
 from common.model.parallel import TPLayout, rank_spec
+from common.model.quantization.config import resolve_quantization
 from common.model.source import ModelSource, read_spec, resolve_model
 from common.model.spec import ModelSpec
 from common.protocol.sampling_params import SamplingParams
@@ -58,6 +61,7 @@ class RuntimeInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    kv_format: KVFormat  # the pool's dtype and what a KV peer must match (heartbeats: a dict)
     cuda_graph_sizes: tuple[int, ...] = ()
     cuda_graph_bytes: int = 0  # decode graphs (shared logits buffer included)
     prefill_graph_buckets: tuple[int, ...] = ()  # token counts of the prefill/mixed graphs
@@ -141,14 +145,21 @@ class Worker:
             tp=self.tp,
             quantization=mc.quantization,
         )
-        backend_name, why = choose_backend(config.attention_backend, self.device, cc.block_size)
+        self.kv_dtype = kv_cache_dtype(cc.kv_cache_dtype, self.dtype)
+        # Only an FP8 pool asks the backends about its dtype: "auto" calls them as before.
+        kv_arg = {"kv_dtype": self.kv_dtype} if self.kv_dtype != self.dtype else {}
+        backend_name, why = choose_backend(
+            config.attention_backend, self.device, cc.block_size, **kv_arg
+        )
         log.info("attention backend: %s (%s)", backend_name, why)
         self.backend = create_backend(backend_name)
         self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
         num_blocks = self.tp.min_int(self._size_kv_cache(max_len))
+        k_scales, v_scales = _kv_scales(self.model)
         self.kv_cache = KVCache.allocate(
-            self.rank_spec, num_blocks, cc.block_size, self.dtype, self.device
-        )
+            self.rank_spec, num_blocks, cc.block_size, self.kv_dtype, self.device,
+            k_scales, v_scales,
+        )  # fmt: skip
         self.allocator = BlockAllocator(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device)
         if self.tp.size > 1 and self.tp.is_driver:
@@ -174,6 +185,7 @@ class Worker:
             max_model_len=max_model_len,
             vocab_size=self.spec.vocab_size,
             eos_token_ids=self.spec.eos_token_ids,
+            kv_format=self._kv_format(),
             cuda_graph_sizes=tuple(self.runner.graphs.sizes) if self.runner.graphs else (),
             cuda_graph_bytes=graph_bytes,
             prefill_graph_buckets=tuple(prefill.buckets) if prefill else (),
@@ -278,20 +290,46 @@ class Worker:
                 budget -= self._graph_bytes()
         else:
             budget = DEFAULT_CPU_KV_BYTES
-        return num_blocks_for_budget(self.rank_spec, cc.block_size, self.dtype, budget)
+        return num_blocks_for_budget(self.rank_spec, cc.block_size, self.kv_dtype, budget)
 
     def _graph_bytes(self) -> int:
         """What the captured graphs will hold, from eager steps of their largest shapes: the
         decode sizes share one pool and one logits buffer (the largest size is the peak), the
         prefill buckets another pool (the largest bucket is the peak)."""
         bs, n = self.config.cache.block_size, self.config.scheduler.max_num_seqs
-        total = graph_margin(step_peak_bytes(self.model, self.backend, bs, [1] * n))
+        kv = self.kv_dtype
+        total = graph_margin(step_peak_bytes(self.model, self.backend, bs, [1] * n, kv))
         if self.config.prefill_graph_max_tokens:
             tokens = [self.config.prefill_graph_max_tokens]
-            total += graph_margin(step_peak_bytes(self.model, self.backend, bs, tokens))
+            total += graph_margin(step_peak_bytes(self.model, self.backend, bs, tokens, kv))
         return total
 
     def _profile_peak_memory(self, max_len: int) -> None:
         """Run the largest step once on a scratch KV pool so the peak activation size is known."""
         sc, bs = self.config.scheduler, self.config.cache.block_size
-        step_peak_bytes(self.model, self.backend, bs, [min(sc.max_num_batched_tokens, max_len)])
+        tokens = [min(sc.max_num_batched_tokens, max_len)]
+        step_peak_bytes(self.model, self.backend, bs, tokens, self.kv_dtype)
+
+    def _kv_format(self) -> KVFormat:
+        """This pool's `KVFormat`: the model's layout (all KV heads, whatever this rank holds),
+        the pool's dtype and scales, and the linear quantization that computes K and V."""
+        mc, kv, spec = self.config.model, self.kv_cache, self.spec
+        scheme = resolve_quantization(spec.quantization, mc.quantization, mc.load_format)
+        return KVFormat(
+            kv_dtype=str(kv.pool.dtype).removeprefix("torch."),
+            kv_scales=scales_summary(kv.k_scales, kv.v_scales) if kv.is_fp8 else "none",
+            quantization=quantization_name(scheme),
+            num_layers=spec.num_layers,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            block_size=kv.block_size,
+        )
+
+
+def _kv_scales(model: torch.nn.Module) -> tuple[list[float], list[float]]:
+    """Per-layer K and V scales the attention layers loaded from the checkpoint (their buffers
+    hold 1.0 when it has none), in layer order."""
+    buffers = list(model.named_buffers())
+    k = [float(b) for name, b in buffers if name.endswith("self_attn.k_scale")]
+    v = [float(b) for name, b in buffers if name.endswith("self_attn.v_scale")]
+    return k, v

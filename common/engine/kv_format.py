@@ -1,0 +1,100 @@
+"""What two KV pools must agree on before one ships KV into the other (pure Python, no torch).
+
+A prefill node's KV is only usable by a decode node that stores and reads it the same way: the
+same element type and, for FP8, the same per-layer scales (a value stored as `x / scale` reads
+back as `stored * scale`), the same model quantization (which computed the K and V), and the
+same layout. Every node publishes its `KVFormat` in its heartbeat (`info["kv_format"]`); the
+router pairs only nodes whose formats are equal, and a KV receiver refuses a sender whose
+announced format differs (kv_transfer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from common.model.quantization.config import QuantConfig
+
+FEW_SCALES = 4  # per-layer scales are listed up to this many layers, digested beyond
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    kv_dtype: str  # the pool's torch dtype name: "bfloat16", "float8_e4m3fn", ...
+    kv_scales: str  # "none" (not FP8), else `scales_summary` of the per-layer K and V scales
+    quantization: str  # the model's linear quantization: "none" or `quantization_name`
+    num_layers: int
+    num_kv_heads: int  # the model's, not one tensor-parallel rank's
+    head_dim: int
+    block_size: int
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> KVFormat:
+        """A format as a heartbeat or a transfer announced it; ValueError naming what is wrong."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"a KV format is a map, got {type(raw).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        if set(raw) != set(names):
+            missing, unknown = (
+                sorted(set(names) - set(raw)),
+                sorted(map(str, set(raw) - set(names))),
+            )
+            raise ValueError(f"KV format fields: missing {missing}, unknown {unknown}")
+        for f in dataclasses.fields(cls):
+            value = raw[f.name]
+            wanted = str if f.type in ("str", str) else int
+            if type(value) is not wanted:
+                raise ValueError(f"KV format {f.name} must be {wanted.__name__}, got {value!r}")
+        return cls(**raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        """`float8_e4m3fn KV (scales all 1.0), weights none, 30 layers x 3 KV heads x 64, 16-token
+        blocks`."""
+        scales = "" if self.kv_scales == "none" else f" (scales {self.kv_scales})"
+        return (
+            f"{self.kv_dtype} KV{scales}, weights {self.quantization}, {self.num_layers} layers x "
+            f"{self.num_kv_heads} KV heads x {self.head_dim}, {self.block_size}-token blocks"
+        )
+
+    def mismatch(self, other: KVFormat, labels: tuple[str, str] = ("this", "other")) -> str | None:
+        """None when the formats agree, else every differing field with both values, each
+        followed by whose it is: `kv_dtype float8_e4m3fn (prefill A) vs bfloat16 (decode B)`."""
+        mine, theirs = labels
+        diffs = [
+            f"{f.name} {getattr(self, f.name)} ({mine}) vs {getattr(other, f.name)} ({theirs})"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
+        return "; ".join(diffs) or None
+
+
+def scales_summary(k_scales: Sequence[float], v_scales: Sequence[float]) -> str:
+    """Equal for equal scales, short either way: `all 1.0` when every K and V scale is one
+    value, the values themselves for a few layers, else a digest with their ranges."""
+    if len(k_scales) != len(v_scales):
+        raise ValueError(f"{len(k_scales)} K scales but {len(v_scales)} V scales")
+    k, v = [repr(float(s)) for s in k_scales], [repr(float(s)) for s in v_scales]
+    if len(set(k + v)) == 1:
+        return f"all {k[0]}"
+    if len(k) <= FEW_SCALES:
+        return f"k {','.join(k)} v {','.join(v)}"
+    digest = hashlib.sha256(" ".join(k + ["|"] + v).encode()).hexdigest()[:12]
+    return (
+        f"sha256:{digest} (k {min(map(float, k))}..{max(map(float, k))}, "
+        f"v {min(map(float, v))}..{max(map(float, v))})"
+    )
+
+
+def quantization_name(scheme: QuantConfig | None) -> str:
+    """`none`, or the scheme of the linear layers that compute K and V: `fp8 block 128x128
+    weights, group activations`."""
+    if scheme is None:
+        return "none"
+    block = f" {scheme.block[0]}x{scheme.block[1]}" if scheme.block else ""
+    return f"fp8 {scheme.weights}{block} weights, {scheme.activations} activations"
