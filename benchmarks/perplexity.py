@@ -1,12 +1,11 @@
 """Perplexity of the embedded model (SmolLM2-135M-Instruct) on a fixed English text, per
-precision: fp32, bf16, FP8 W8A8 (`--quantization fp8`). Each window is one prefill through
-the model's forward and the torch attention backend over a paged KV cache in `kv_dtype`,
-scored on every next token; windows are consecutive and non-overlapping.
+precision: fp32, bf16, FP8 W8A8 (`--quantization fp8`), FP8 KV cache (`--kv-cache-dtype fp8`,
+the default scales of 1.0: the checkpoint has none) and both. Each window is one prefill
+through the model's forward and the torch attention backend over a paged KV cache in
+`kv_dtype`, so attention reads K and V back from the cache as the engine does, and every next
+token is scored; windows are consecutive and non-overlapping.
 
     python benchmarks/perplexity.py [--windows 4] [--window 512] [--out perplexity.json]
-
-Extension point: FP8 KV rows are `Variant`s with `kv_dtype="fp8"` once the KV cache stores
-FP8 (the later KV-cache step); `run_window` already writes the KV through the cache.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from common.engine.kv_cache import KVCache
+from common.engine.kv_cache import KVCache, kv_cache_dtype
 from common.model.attention.base import AttentionMetadata, ForwardContext
 from common.model.attention.torch_backend import TorchAttentionBackend
 from common.model.loader import build_model
@@ -36,15 +35,15 @@ class Variant:
     name: str
     dtype: str  # model dtype
     quantization: str = "auto"
-    kv_dtype: str = "auto"  # "auto": the model dtype; "fp8" once the KV cache supports it
+    kv_dtype: str = "auto"  # --kv-cache-dtype: "auto" (the model dtype) or "fp8"
 
 
 VARIANTS = [
     Variant("fp32", "float32"),
     Variant("bf16", "bfloat16"),
     Variant("FP8 W8A8", "bfloat16", quantization="fp8"),
-    # Variant("FP8 KV", "bfloat16", kv_dtype="fp8"),  # the FP8 KV-cache step adds these
-    # Variant("W8A8 + FP8 KV", "bfloat16", quantization="fp8", kv_dtype="fp8"),
+    Variant("FP8 KV", "bfloat16", kv_dtype="fp8"),
+    Variant("W8A8 + FP8 KV", "bfloat16", quantization="fp8", kv_dtype="fp8"),
 ]
 
 
@@ -76,16 +75,15 @@ def run_window(model, kv: KVCache, ids: torch.Tensor) -> tuple[float, int]:
     """Summed negative log-likelihood of tokens 1.. given their prefixes, and their count."""
     spec = model.spec
     ctx = ForwardContext(
-        TorchAttentionBackend(), metadata(len(ids)), kv.k_caches, kv.v_caches, spec.head_dim**-0.5
-    )
+        TorchAttentionBackend(), metadata(len(ids)), kv.k_caches, kv.v_caches,
+        spec.head_dim**-0.5, **kv.context_kwargs(),
+    )  # fmt: skip
     hidden = model(ids, torch.arange(len(ids)), ctx)
     logprobs = model.compute_logits(hidden[:-1]).log_softmax(-1)
     return -logprobs.gather(1, ids[1:, None]).sum().item(), len(ids) - 1
 
 
 def perplexity(variant: Variant, texts: list[torch.Tensor]) -> dict:
-    if variant.kv_dtype != "auto":
-        raise NotImplementedError("FP8 KV cache: added by the KV-cache step")
     source = resolve_model(None, variant.dtype)
     spec, dtype = read_spec(source), getattr(torch, variant.dtype)
     size = max(len(t) for t in texts)
@@ -93,7 +91,10 @@ def perplexity(variant: Variant, texts: list[torch.Tensor]) -> dict:
         spec, source, max_positions=size, dtype=dtype, device=torch.device("cpu"),
         quantization=variant.quantization,
     )  # fmt: skip
-    kv = KVCache.allocate(model.spec, -(-size // BLOCK), BLOCK, dtype, torch.device("cpu"))
+    kv = KVCache.allocate(
+        model.spec, -(-size // BLOCK), BLOCK, kv_cache_dtype(variant.kv_dtype, dtype),
+        torch.device("cpu"),
+    )  # fmt: skip
     start, nll, count = time.monotonic(), 0.0, 0
     for ids in texts:
         window_nll, n = run_window(model, kv, ids)
