@@ -10,7 +10,10 @@
 #   e) time allowing (started before W8_BEFORE_S, default 400 s): Qwen2.5-7B W8A8 with a bf16 KV
 #      cache, decode and prefill (KV capacity at the same weights);
 # then benchmarks/fp8_report.py: one table, each target, measured, PASS or MISS by how much.
-#   bash benchmarks/fp8_gpu_suite.sh             (results, logs and the table under $OUT)
+#   bash benchmarks/fp8_gpu_suite.sh
+# $OUT gets 8 files (what the device tool brings back): the engine results q7_bf16, q7_fp8,
+# q7_w8, q3_bf16, q3_fp8 (.json), transfer_bf16.json, transfer_fp8.json (fp8_report.py reads
+# that folder again) and fp8_suite.tgz with those, every log, plot and the report.
 #   SMOKE=1: on a CPU machine, every step at tiny sizes (the embedded model, a tiny Qwen3 config,
 #            zmq between CPU pools): a typo check, not a measurement
 #   KV=auto: the "FP8" engine runs keep a bf16 KV cache (FP8 weights only)
@@ -22,6 +25,8 @@ gpu_info
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
+RUN=$WORK/results
+mkdir -p "$RUN"
 status=0
 common=(--mixes greedy --no-compare-sync)
 if [ "${SMOKE:-0}" = 1 ]; then
@@ -39,22 +44,29 @@ else
 fi
 FP8=(--quantization fp8 --kv-cache-dtype "${KV:-fp8}")
 
-step() {  # step NAME COMMAND...: its output in $OUT/NAME.log, the tail printed
+step() {  # step NAME COMMAND...: its output in $RUN/NAME.log, the tail printed
   local name=$1
   shift
   echo "=== $name ($(date +%T), ${SECONDS}s)"
-  timeout "$STEP_S" "$@" >"$OUT/$name.log" 2>&1
+  timeout "$STEP_S" "$@" >"$RUN/$name.log" 2>&1
   local rc=$?
-  grep -v "Warning\|warn(" "$OUT/$name.log" | tail -14
+  grep -v "Warning\|warn(" "$RUN/$name.log" | tail -14
   if [ $rc != 0 ]; then
     echo "   $name FAILED (exit $rc)"
     status=1
   fi
 }
-engine() {  # engine NAME [bench_engine.py flags]: $OUT/NAME.json
+engine() {  # engine NAME [bench_engine.py flags]: $RUN/NAME.json
   local name=$1
   shift
-  step "$name" $PY benchmarks/bench_engine.py --out "$OUT/$name" "${common[@]}" "$@"
+  step "$name" $PY benchmarks/bench_engine.py --out "$RUN/$name" "${common[@]}" "$@"
+}
+transfer() {  # transfer KIND [bench_transfer.py flags]: $RUN/transfer_KIND.json
+  local kind=$1
+  shift
+  step "transfer_$kind" $PY benchmarks/bench_transfer.py "${transfer[@]}" "$@" \
+    --out "$RUN/transfer_$kind"
+  cp "$RUN/transfer_$kind/transfer.json" "$RUN/transfer_$kind.json" 2>/dev/null
 }
 
 q3=benchmarks/configs/qwen3-8b
@@ -67,15 +79,17 @@ engine q7_bf16
 engine q7_fp8 "${FP8[@]}" --kernel-profile
 engine q3_bf16 "${q3_bf16[@]}"
 engine q3_fp8 "${q3_fp8[@]}" "${FP8[@]}" --kernel-profile
-step transfer_bf16 $PY benchmarks/bench_transfer.py "${transfer[@]}" --sizes-mb "${sizes[@]}" \
-  --out "$OUT/transfer_bf16"
-step transfer_fp8 $PY benchmarks/bench_transfer.py "${transfer[@]}" --sizes-mb "${sizes_fp8[@]}" \
-  --kv-cache-dtype fp8 --out "$OUT/transfer_fp8"
+transfer bf16 --sizes-mb "${sizes[@]}"
+transfer fp8 --sizes-mb "${sizes_fp8[@]}" --kv-cache-dtype fp8
 if [ "$SECONDS" -lt "${W8_BEFORE_S:-400}" ] || [ "${SMOKE:-0}" = 1 ]; then
   engine q7_w8 --quantization fp8 --parts decode prefill
 else
   echo "=== q7_w8 skipped: ${SECONDS}s spent"
 fi
 echo "=== report ($(date +%T), ${SECONDS}s)"
-$PY benchmarks/fp8_report.py "$OUT" --kernel-log "$OUT/q7_fp8.log" --kernel-log "$OUT/q3_fp8.log"
+cp "$RUN"/*.json "$OUT"/
+$PY benchmarks/fp8_report.py "$RUN" --kernel-log "$RUN/q7_fp8.log" --kernel-log "$RUN/q3_fp8.log" \
+  >"$RUN/report.txt" 2>&1
+tar -C "$RUN" -czf "$OUT/fp8_suite.tgz" .
+cat "$RUN/report.txt"
 exit $status

@@ -7,7 +7,7 @@ after the other on one GPU); each floor comes from the ceilings its own run meas
 RESULTS_DIR holds, per model prefix (q7: Qwen2.5-7B, FP8 per channel; q3: Qwen3-8B, FP8
 128 x 128 blocks), `bench_engine.py` results PREFIX_bf16.json (bf16 weights and KV),
 PREFIX_fp8.json (FP8 weights and KV) and optionally PREFIX_w8.json (FP8 weights, bf16 KV), and
-`bench_transfer.py` results transfer_bf16/transfer.json and transfer_fp8/transfer.json. A
+`bench_transfer.py` results transfer_bf16.json and transfer_fp8.json (bf16 and FP8 pools). A
 missing result is a row that says so. With a miss among a model's decode rows, the device time
 per kernel at batch 1 from its kernel log (`bench_engine.py --kernel-profile` output) is printed
 above the table.
@@ -163,7 +163,7 @@ def report(results: Path, kernel_logs: Sequence[Path] = ()) -> tuple[list[Check]
         excerpt = kernel_excerpt(logs[prefix].read_text()) if missed and prefix in logs else None
         if excerpt:
             lines += [f"{label}: a decode target missed; from {logs[prefix].name}:", excerpt, ""]
-    transfers = [load(results / f"transfer_{kind}" / "transfer.json") for kind in ("bf16", "fp8")]
+    transfers = [load(results / f"transfer_{kind}.json") for kind in ("bf16", "fp8")]
     checks += transfer_checks(*transfers)
     width = max(len(c.name) for c in checks)
     lines.append(f"{'target':<{width}}  {'measured':>8}  {'bar':>8}  verdict")

@@ -63,10 +63,7 @@ def results(tmp_path: Path) -> Path:
     for name, result in runs.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(result))
     for kind, block, times in (("bf16", 917504, [0.010, 0.040]), ("fp8", 458752, [0.006, 0.021])):
-        (tmp_path / f"transfer_{kind}").mkdir()
-        (tmp_path / f"transfer_{kind}" / "transfer.json").write_text(
-            json.dumps(transfer_result(block, times))
-        )
+        (tmp_path / f"transfer_{kind}.json").write_text(json.dumps(transfer_result(block, times)))
     (tmp_path / "q7_fp8.log").write_text(KERNEL_LOG)
     (tmp_path / "q3_fp8.log").write_text(KERNEL_LOG.replace("fp8_gemm_kernel", "block_gemm"))
     return tmp_path
@@ -109,7 +106,7 @@ def test_a_missing_run_or_unverified_transfer_is_no_result(results):
     (results / "q7_w8.json").unlink()
     (results / "q3_fp8.json").unlink()
     bad = transfer_result(458752, [0.006, 0.021], verified=False)
-    (results / "transfer_fp8" / "transfer.json").write_text(json.dumps(bad))
+    (results / "transfer_fp8.json").write_text(json.dumps(bad))
     checks, text = report(results, [results / "q3_fp8.log"])
     names = {c.name: c.verdict() for c in checks}
     assert "Qwen2.5-7B per-channel KV tokens: FP8 / bf16 KV, FP8 weights" not in names
