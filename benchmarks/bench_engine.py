@@ -1,28 +1,33 @@
 """Engine benchmark: the decode node's real loop against the HBM floor, prefill against
 max(weight-read floor, FLOP floor), offline throughput, graph memory. One GPU, dummy weights of a
-real architecture (default Qwen2.5-7B in bf16); ceilings (copy bandwidth, bf16 matmul rate) are
-measured in the same run.
+real architecture (default Qwen2.5-7B in bf16; `--quantization fp8` quantizes them at load,
+`--kv-cache-dtype fp8` stores KV in e4m3); ceilings (copy bandwidth, bf16 and FP8 matmul rates)
+are measured in the same run (`benchmarks/roofline.py`).
 
     python benchmarks/bench_engine.py --out benchmarks/results/engine         # everything
     python benchmarks/bench_engine.py --parts throughput --peers hf_cb --peer-requests 64
     python benchmarks/bench_engine.py --smoke        # CPU, embedded model, tiny sizes: code paths
+    python benchmarks/bench_engine.py --quantization fp8 --kv-cache-dtype fp8 --out .../fp8
 
 Decode: `benchmarks/decode_loop.py` drives a real `DecodeNode` (scheduler, outputs, TokenBatch
 messages included) at batch 1, 32, 128 with requests finishing and joining, all greedy and then
 mixed (half greedy, half temperature + top-p + penalties + seeds), overlapped, plus the
-synchronous loop for comparison. The floor of a step is (weights + the KV of every running
-request) / copy bandwidth. Prints a table last; writes <out>.json (and <out>.png).
+synchronous loop for comparison. The floor of a step is (weights as stored + the KV of every
+running request in the pool's dtype) / copy bandwidth; a prefill's FLOP floor runs FP8 matmuls
+at the FP8 rate (each row names its `matmul_ceiling`). The JSON's "engine" records the
+quantization, KV dtype, weight bytes, KV bytes per token and the pool's capacity. Prints a
+table last; writes <out>.json (and <out>.png).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import itertools
 import json
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,75 +42,47 @@ from benchmarks.bench_messages import prefill_rows  # noqa: E402
 from benchmarks.decode_loop import LoopDriver, build_node, greedy_params, mixed_params  # noqa: E402
 from benchmarks.engine_report import plot, print_table  # noqa: E402
 from benchmarks.profiles import host_table, kernel_table  # noqa: E402
+from benchmarks.roofline import measure_ceilings, prefill_floors, time_fn, weight_bytes  # noqa: E402
 from benchmarks.stack import pick_ports  # noqa: E402
 from common import LLM, SamplingParams  # noqa: E402
 from common.engine.config import EngineConfig  # noqa: E402
 from common.engine.scheduler import ScheduledBatch, ScheduledSeq  # noqa: E402
 from common.engine.sequence import Sequence  # noqa: E402
+from common.model.quantization.config import resolve_quantization  # noqa: E402
 
 CONFIG = ROOT / "configs" / "qwen2.5-7b-instruct"
 
 
-def time_fn(fn, repeats: int, cuda: bool, warmup: int = 2) -> float:
-    """Median seconds of `fn()` (CUDA events on a GPU, the host clock elsewhere)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - begin)
-    return statistics.median(times)
-
-
-def measure_ceilings() -> dict[str, float] | None:
-    if not torch.cuda.is_available():
-        return None
-    n = 1 << 30  # 2 GiB of bf16 per buffer
-    src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    copy_s = time_fn(lambda: dst.copy_(src), 20, True)
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    mm_s = time_fn(lambda: a @ b, 20, True)
-    torch.cuda.empty_cache()
-    return {"copy_bytes_per_s": 2 * n * 2 / copy_s, "bf16_flops_per_s": 2 * 8192**3 / mm_s}
-
-
 def engine_options(args: argparse.Namespace) -> dict:
-    return dict(
+    options = dict(
         model=args.model or None,
         load_format=args.load_format,
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         attention_backend=args.attention_backend,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False,
     )
-
-
-def weight_bytes(model) -> int:
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    embed = model.model.embed_tokens.weight
-    if embed is not model.lm_head.weight:  # a lookup reads rows, not the table
-        total -= embed.numel() * embed.element_size()
-    return total
+    if args.kv_cache_dtype != "auto":  # "auto" runs on engines that predate the option
+        options["kv_cache_dtype"] = args.kv_cache_dtype
+    return options
 
 
 def engine_info(worker, args) -> dict:
-    rt = worker.runtime
+    rt, pool = worker.runtime, worker.kv_cache.pool
+    scheme = resolve_quantization(worker.spec.quantization, args.quantization, args.load_format)
     return {
         "backend": rt.attention_backend,
+        "quantization": args.quantization,
+        "quantization_scheme": None if scheme is None else dataclasses.asdict(scheme),
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_dtype": str(pool.dtype).removeprefix("torch."),
+        "weight_bytes": weight_bytes(worker.model),
+        "kv_bytes_per_token": worker.spec.kv_bytes_per_token(pool.element_size()),
         "num_kv_blocks": rt.num_kv_blocks,
+        "kv_capacity_tokens": rt.num_kv_blocks * rt.block_size,
         "max_num_seqs": args.max_num_seqs,
         "decode_graph_bytes": rt.cuda_graph_bytes,
         "prefill_graph_bytes": rt.prefill_graph_bytes,
@@ -113,16 +90,29 @@ def engine_info(worker, args) -> dict:
     }
 
 
+def randomize(pool: torch.Tensor, chunk: int = 1 << 28) -> None:
+    """Standard normal values in `pool`; an FP8 pool has no `normal_`: drawn in bf16 a chunk
+    at a time (the pool fills most of the GPU) and rounded."""
+    if pool.element_size() > 1:
+        pool.normal_()
+        return
+    flat = pool.view(-1)
+    for start in range(0, flat.numel(), chunk):
+        part = flat[start : start + chunk]
+        part.copy_(torch.randn(part.numel(), dtype=torch.bfloat16, device=pool.device))
+
+
 def bench_decode_loop(args, ceil: dict | None, worker) -> list[dict]:
     """The decode node's loop on `worker` (its model, pool and graphs are reused)."""
     engine = EngineConfig.from_options(**engine_options(args))
     node, drain, prefill_address = build_node(engine, worker, pick_ports()[1])
     try:
-        worker.kv_cache.pool.normal_()  # never time attention over zeros
+        randomize(worker.kv_cache.pool)  # never time attention over zeros
         kv_token = worker.spec.kv_bytes_per_token(worker.kv_cache.pool.element_size())
         wbytes = weight_bytes(worker.model)
-        runs = [("greedy", greedy_params, True), ("mixed", mixed_params, True)]
-        if args.compare_sync:
+        mixes = {"greedy": greedy_params, "mixed": mixed_params}
+        runs = [(mix, mixes[mix], True) for mix in args.mixes]
+        if args.compare_sync and "greedy" in args.mixes:
             runs.append(("greedy", greedy_params, False))
         rows = []
         for context, (mix, params_fn, overlap) in itertools.product(args.decode_contexts, runs):
@@ -177,8 +167,6 @@ def bench_prefill(
     worker, ceil: dict | None, lengths: list[int], repeats: int, kernels: bool = False
 ) -> list[dict]:
     spec, cuda = worker.spec, worker.device.type == "cuda"
-    params = sum(p.numel() for n, p in worker.model.named_parameters() if "embed_tokens" not in n)
-    wbytes = weight_bytes(worker.model)
     rows = []
     for n in lengths:
         seq = Sequence(
@@ -194,14 +182,9 @@ def bench_prefill(
             print(f"prefill of {n} tokens, {kernel_table(step, 5)}", flush=True)
             print(f"prefill of {n} tokens, {host_table(step, 5)}", flush=True)
         worker.allocator.free(seq.block_ids)
-        # Matmuls over every token (the LM head only for the last) plus causal attention.
-        head = spec.vocab_size * spec.hidden_size
-        flops = 2 * n * (params - head) + 2 * head
-        flops += 2 * n * n * spec.head_dim * spec.num_heads * spec.num_layers
         row = {"tokens": n, "time_s": t, "flop_floor_s": None, "weight_floor_s": None}
         if ceil is not None:
-            row["flop_floor_s"] = flops / ceil["bf16_flops_per_s"]
-            row["weight_floor_s"] = wbytes / ceil["copy_bytes_per_s"]
+            row.update(prefill_floors(worker.model, spec, n, ceil))
             row["ratio_to_floor"] = t / max(row["flop_floor_s"], row["weight_floor_s"])
             row["fraction_of_matmul_rate"] = row["flop_floor_s"] / t
         rows.append(row)
@@ -240,6 +223,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--model", default=str(CONFIG), help="config dir (dummy weights); '' embedded")
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default="auto", choices=["auto", "fp8"],
+                    help="fp8: W8A8, weights quantized at load (per channel; a config.json "
+                    "stating FP8 blocks quantizes in blocks)")  # fmt: skip
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--parts", nargs="+", default=["decode", "prefill", "throughput"],
                     choices=["decode", "prefill", "throughput"])  # fmt: skip
@@ -250,6 +237,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--min-new", type=int, default=64, help="decode requests' max_tokens range")
     ap.add_argument("--max-new", type=int, default=192)
     ap.add_argument("--steps", type=int, default=200, help="measured decode steps per run")
+    ap.add_argument("--mixes", nargs="+", default=["greedy", "mixed"], choices=["greedy", "mixed"])
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--compare-sync", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--profile", action="store_true", help="cProfile the loop's host side")
@@ -267,11 +255,15 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--smoke", action="store_true", help="CPU, embedded model, tiny sizes")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU, tiny sizes; the embedded model unless --model names another "
+                    "config (a small one: dummy weights)")  # fmt: skip
     ap.add_argument("--out", default="benchmarks/results/engine")
     args = ap.parse_args()
     if args.smoke:
-        args.model, args.load_format, args.dtype, args.device = "", "auto", "float32", "cpu"
+        if args.model == str(CONFIG):
+            args.model, args.load_format = "", "auto"
+        args.dtype, args.device = "float32", "cpu"
         args.decode_batches, args.decode_contexts, args.min_new, args.max_new = [1, 4], [48], 3, 6
         args.steps, args.warmup, args.prefill_lengths, args.repeats = 6, 2, [16, 64], 2
         args.requests, args.prompt_range, args.output_range = 6, [8, 24], [3, 6]

@@ -33,8 +33,9 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
-from benchmarks.bench_engine import CONFIG, measure_ceilings, time_fn, weight_bytes  # noqa: E402
+from benchmarks.bench_engine import CONFIG  # noqa: E402
 from benchmarks.decode_loop import LoopDriver, build_node  # noqa: E402
+from benchmarks.roofline import measure_ceilings, time_fn, weight_bytes  # noqa: E402
 from benchmarks.stack import pick_ports  # noqa: E402
 from common import LLM, SamplingParams  # noqa: E402
 from common.engine.config import EngineConfig  # noqa: E402

@@ -3,7 +3,8 @@ with `--transports ... nixl`, where the nixl package is installed), next to
 the raw peer-to-peer copy between the two GPUs and a raw ZMQ loopback stream, in one run.
 
     python benchmarks/bench_transfer.py [--sizes-mb 1 4 16 64 256 1024] [--repeats 5] \\
-        [--transports cuda_ipc zmq] [--same-gpu] [--out benchmarks/results/transfer]
+        [--transports cuda_ipc zmq] [--same-gpu] [--kv-cache-dtype fp8] \\
+        [--out benchmarks/results/transfer]
     python benchmarks/bench_transfer.py --cpu-smoke     # no GPU: zmq between two CPU pools
     python benchmarks/bench_transfer.py --replot benchmarks/results/transfer/transfer.json
 
@@ -26,9 +27,10 @@ Medians of --repeats, after one untimed warm-up per size; GB/s = payload bytes /
   raw zmq    PUSH/PULL over tcp://127.0.0.1 into the same kind of process, from pinned host
              memory, one zero-copy frame per layer (the transport's framing); "send": zmq
              released the last frame, "recv": the receiver has the last byte.
-Pools: [layers, 2, blocks + 1, block_size, kv_heads, head_dim] in bf16, Qwen2.5-7B-shaped by
-default (57,344 bytes per token); a payload is round(MiB / block bytes) blocks scattered at random
-over both pools. The receiver zeroes its blocks before each transfer and checksums them after.
+Pools: [layers, 2, blocks + 1, block_size, kv_heads, head_dim] in bf16 (float8_e4m3fn with
+`--kv-cache-dtype fp8`: half the bytes per token), Qwen2.5-7B-shaped by default (57,344 bytes per
+token in bf16); a payload is round(MiB / block bytes) blocks scattered at random over both
+pools. The receiver zeroes its blocks before each transfer and checksums them after.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from kv_transfer import TransferConfig, TransferState, create_receiver, create_s
 from kv_transfer.cuda_ipc import CudaIpcSender  # noqa: E402
 
 DEADLINE_S = 120.0
+KV_DTYPES = {"auto": "bfloat16", "fp8": "float8_e4m3fn"}  # --kv-cache-dtype: the pools' dtype
 HOLD_CYCLES = 50_000_000  # a GPU sleep of ~25 ms at ~2 GHz, while the host queues timed work
 PEER_TIMEOUT_S = 180.0  # a spawned peer's start (CUDA init) or one transfer, at most
 
@@ -70,13 +73,27 @@ class Layout:
     kv_heads: int = 4
     head_dim: int = 128
     block_size: int = 16
+    dtype: str = "bfloat16"  # a torch dtype's name
 
     @property
-    def block_bytes(self) -> int:  # K and V of every layer, bf16
-        return self.layers * 2 * self.block_size * self.kv_heads * self.head_dim * 2
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def bytes_per_token(self) -> int:  # K and V of every layer
+        return self.layers * 2 * self.kv_heads * self.head_dim * self.torch_dtype.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        return self.bytes_per_token * self.block_size
 
     def pool_shape(self, blocks: int) -> tuple[int, ...]:
         return (self.layers, 2, blocks + 1, self.block_size, self.kv_heads, self.head_dim)
+
+
+def bits(pool: torch.Tensor) -> torch.Tensor:
+    """The pool's bytes as integers of its element size (FP8 has no indexing kernels)."""
+    return pool.view(torch.int16 if pool.element_size() == 2 else torch.uint8)
 
 
 def checksum(pool: torch.Tensor, block_ids: list[int]) -> int:
@@ -84,30 +101,30 @@ def checksum(pool: torch.Tensor, block_ids: list[int]) -> int:
     index = torch.tensor(block_ids, device=pool.device)
     total = 0
     for layer in range(pool.shape[0]):
-        bits = pool[layer].index_select(1, index).reshape(-1).view(torch.int16).to(torch.int64)
-        weight = torch.arange(bits.numel(), device=pool.device) % 65521 + layer + 1
-        total += int((bits * weight).sum())
+        words = bits(pool[layer]).index_select(1, index).reshape(-1).to(torch.int64)
+        weight = torch.arange(words.numel(), device=pool.device) % 65521 + layer + 1
+        total += int((words * weight).sum())
     return total
 
 
 # -- the receiving process ------------------------------------------------------------------
 
 
-def _peer_main(kind: str, device: str, shape: tuple[int, ...], inbox, outbox) -> None:
+def _peer_main(kind: str, device: str, shape: tuple[int, ...], dtype: str, inbox, outbox) -> None:
     try:
         if kind == "raw_zmq":
             _serve_raw_zmq(inbox, outbox)
         else:
-            _serve_transport(kind, torch.device(device), shape, inbox, outbox)
+            _serve_transport(kind, torch.device(device), shape, dtype, inbox, outbox)
     except BaseException:
         outbox.put({"crash": traceback.format_exc()})
 
 
-def _serve_transport(kind: str, device: torch.device, shape, inbox, outbox) -> None:
+def _serve_transport(kind: str, device: torch.device, shape, dtype: str, inbox, outbox) -> None:
     """Own a pool, receive into it; answers handshakes whenever it polls, i.e. always."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    pool = torch.zeros(shape, dtype=torch.bfloat16, device=device)
+    pool = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
     expected: dict[str, list[int]] = {}
     config = TransferConfig(transport=kind, deadline_s=DEADLINE_S)
     with create_receiver(config, pool, "tcp://127.0.0.1:0") as receiver:
@@ -138,7 +155,7 @@ def _serve_transport(kind: str, device: torch.device, shape, inbox, outbox) -> N
                 outbox.put({"checksum": checksum(pool, command["block_ids"])})
                 continue
             ids = command["block_ids"]
-            pool[:, :, ids] = 0
+            bits(pool)[:, :, ids] = 0
             _synchronize(device)  # a cuda_ipc sender writes from another process: no ordering
             receiver.expect(command["request_id"], ids)
             expected[command["request_id"]] = ids
@@ -172,12 +189,14 @@ def _synchronize(device: torch.device) -> None:
 class Peer:
     """A spawned receiving process (never fork a process that holds CUDA) and its two queues."""
 
-    def __init__(self, kind: str, device: torch.device, shape: tuple[int, ...]) -> None:
+    def __init__(
+        self, kind: str, device: torch.device, shape: tuple[int, ...], dtype: str = "bfloat16"
+    ) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(
             target=_peer_main,
-            args=(kind, str(device), shape, self.inbox, self.outbox),
+            args=(kind, str(device), shape, dtype, self.inbox, self.outbox),
             daemon=True,
         )
         self.proc.start()
@@ -315,7 +334,7 @@ def measure_transport(
     prefill node ships a short step), complete; until the sender and the receiver say DONE."""
     free_blocks = src_pool.shape[2] - 1  # the last block stands for the padding block
     rng = random.Random(args.seed)
-    with Peer(kind, dst, tuple(src_pool.shape)) as peer:
+    with Peer(kind, dst, tuple(src_pool.shape), _dtype_name(src_pool)) as peer:
         sender = create_sender(TransferConfig(transport=kind, deadline_s=DEADLINE_S), src_pool)
         route: dict[str, Any] = {}
 
@@ -364,7 +383,7 @@ def measure_data_path(
     free_blocks = src_pool.shape[2] - 1
     rng = random.Random(args.seed)
     layers = src_pool.shape[0]
-    with Peer("cuda_ipc", dst, tuple(src_pool.shape)) as peer:
+    with Peer("cuda_ipc", dst, tuple(src_pool.shape), _dtype_name(src_pool)) as peer:
         sender = create_sender(
             TransferConfig(transport="cuda_ipc", deadline_s=DEADLINE_S), src_pool
         )
@@ -417,6 +436,10 @@ def measure_data_path(
             }
         finally:
             sender.close()
+
+
+def _dtype_name(pool: torch.Tensor) -> str:
+    return str(pool.dtype).removeprefix("torch.")
 
 
 def _sender_done(sender, request_id: str) -> float:
@@ -548,6 +571,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--kv-heads", type=int, default=Layout.kv_heads)
     ap.add_argument("--head-dim", type=int, default=Layout.head_dim)
     ap.add_argument("--block-size", type=int, default=Layout.block_size)
+    ap.add_argument("--kv-cache-dtype", choices=list(KV_DTYPES), default="auto",
+                    help="the pools' dtype, as the engine flag: auto = bf16, fp8 = e4m3")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--profile", action="store_true", help="cProfile the transports' host side: <out>/*.prof"
@@ -583,14 +608,21 @@ def main() -> None:
             f"bench_transfer: {gpus} CUDA GPU(s) visible; cuda:0 -> cuda:1 needs 2. "
             "Pass --same-gpu to measure within cuda:0 (needs 1), or --cpu-smoke without a GPU."
         )
-    layout = Layout(args.layers, args.kv_heads, args.head_dim, args.block_size)
+    layout = Layout(
+        args.layers, args.kv_heads, args.head_dim, args.block_size, KV_DTYPES[args.kv_cache_dtype]
+    )
     sizes = [Size(mb, b, b * layout.block_bytes) for mb, b in _blocks(args.sizes_mb, layout)]
     device = "CPU" if src.type == "cpu" else torch.cuda.get_device_name(src)
-    print(f"{device}: {src} -> {dst}, {layout}, {layout.block_bytes} bytes/block", flush=True)
+    print(
+        f"{device}: {src} -> {dst}, {layout}, {layout.block_bytes} bytes/block, "
+        f"{layout.bytes_per_token} bytes/token",
+        flush=True,
+    )
     result: dict[str, Any] = {
         "args": args_record(args),
         "device": f"{device}, {src} -> {dst}",
         "layout": asdict(layout),
+        "kv_bytes_per_token": layout.bytes_per_token,
         "sizes": [asdict(s) for s in sizes],
         "p2p_label": f"raw copy_ {src} -> {dst} (CUDA events)",
         "runs": {},
@@ -604,7 +636,7 @@ def main() -> None:
         torch.cuda.empty_cache()  # its buffers are gone: give the transports the memory
     result["runs"]["raw_zmq"] = measure_raw_zmq(sizes, layout, args.repeats, src.type == "cuda")
     shape = layout.pool_shape(max(s.blocks for s in sizes))
-    src_pool = torch.randn(shape, dtype=torch.bfloat16, device=src)
+    src_pool = torch.randn(shape, dtype=torch.bfloat16, device=src).to(layout.torch_dtype)
     if "cuda_ipc" in args.transports and src.type == "cuda":
         result["runs"].update(measure_data_path(sizes, src_pool, dst, args))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -28,9 +28,20 @@ def print_table(result: dict) -> None:
     ceil = result.get("ceilings")
     print(f"\n{result['model']} on {result['gpu']}, torch {result['torch']}")
     if ceil:
+        fp8 = ceil.get("fp8_flops_per_s")
         print(
             f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
             f"bf16 matmul {ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s"
+            + (f", fp8 matmul {fp8 / 1e12:.0f} TFLOP/s" if fp8 else "")
+        )
+    engine = result.get("engine") or {}
+    if "kv_dtype" in engine:
+        scheme = engine["quantization_scheme"]
+        weights = "unquantized" if scheme is None else f"fp8 {scheme['weights']}"
+        print(
+            f"weights {weights} ({engine['weight_bytes'] / 1e9:.2f} GB read per step), KV "
+            f"{engine['kv_dtype']} ({engine['kv_bytes_per_token']} B/token, "
+            f"{engine['kv_capacity_tokens']} tokens in {engine['num_kv_blocks']} blocks)"
         )
     rows = result.get("decode") or []
     if rows:
@@ -55,7 +66,7 @@ def print_table(result: dict) -> None:
             line += (
                 f"  weight floor {_ms(r['weight_floor_s'])}  FLOP floor {_ms(r['flop_floor_s'])}"
                 f"  x{r['ratio_to_floor']:.2f}  {100 * r['fraction_of_matmul_rate']:.0f}% of "
-                "matmul rate"
+                f"{r.get('matmul_ceiling', 'bf16')} matmul rate"
             )
             if r["tokens"] in (128, 512):
                 ok = r["ratio_to_floor"] <= PREFILL_RATIO_TARGET

@@ -51,7 +51,12 @@ WORKLOAD = [
 ]  # fmt: skip
 
 
-def synthetic_profile(device: str = "NVIDIA H200", version: str = "abc") -> Profile:
+def synthetic_profile(
+    device: str = "NVIDIA H200",
+    version: str = "abc",
+    quantization: str = "none",
+    kv_dtype: str = "bfloat16",
+) -> Profile:
     """A GPU-like profile from known step times (as the profiler would store it)."""
     prefill = [PrefillPoint(t, 0, 0.008 + t * 2.5e-5) for t in (16, 512, 2048, 8192)]
     prefill.append(PrefillPoint(2048, 4096, 0.008 + 2048 * 2.5e-5 + 2e-9 * 2048 * 4096))
@@ -61,7 +66,9 @@ def synthetic_profile(device: str = "NVIDIA H200", version: str = "abc") -> Prof
         for c in (256, 4096)
     ]
     memory = MemoryInfo(57344, 16, 60 * 2**30, 15 * 2**30, 140 * 2**30, 0.85)
-    key = ProfileKey("qwen2.5-7b|dummy|bs16", "bfloat16", device, 1, version)
+    key = ProfileKey(
+        "qwen2.5-7b|dummy|bs16", "bfloat16", quantization, kv_dtype, device, 1, version
+    )
     return Profile(key, tuple(prefill), tuple(decode), memory, fit(prefill, decode), "now")
 
 
@@ -77,7 +84,7 @@ def test_the_profile_cache_round_trips_and_a_different_key_misses(tmp_path):
     for other in (
         synthetic_profile(version="def").key,
         synthetic_profile(device="cpu:2threads").key,
-        ProfileKey(*[*vars(profile.key).values()][:3], 2, profile.key.code_version),
+        replace(profile.key, tp=2),
     ):
         assert cache.get(other) is None, other
     assert len(json.loads((tmp_path / "profiles.json").read_text())) == 2

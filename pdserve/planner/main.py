@@ -119,7 +119,7 @@ def _profile(config: PlanConfig, setup: Setup, tp: int) -> Profile:
     cache = ProfileCache(Path(config.profile_cache).expanduser())
     cached = None if config.reprofile else cache.get(key)
     if cached is not None:
-        print(f"profile from {cache.path} ({key.device}, {key.dtype}, TP {tp}, {cached.created})")
+        print(f"profile from {cache.path} ({key.describe()}, {cached.created})")
         return cached
     if tp != 1:
         raise ValueError(
@@ -131,7 +131,7 @@ def _profile(config: PlanConfig, setup: Setup, tp: int) -> Profile:
         config.profile_decode_batches, config.profile_decode_contexts,
         repeats=config.profile_repeats,
     )  # fmt: skip
-    print(f"profiling {key.model} on {key.device} ({key.dtype})", flush=True)
+    print(f"profiling {key.model} ({key.describe()})", flush=True)
     profiler = Profiler(engine, grid)
     profile = profiler.run(key)
     del profiler  # the weights, KV pool and graphs: --validate's nodes need the GPU memory

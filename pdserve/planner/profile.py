@@ -1,8 +1,9 @@
 """What the profiler measured, and the JSON cache that makes later plans instant.
 
 Pure Python. A `Profile` holds the raw points and the fits made from them; `ProfileKey` says
-which engine it describes (model, dtype, device, TP size, code version): a cache entry whose
-key differs in any field is never used.
+which engine it describes (model, dtype, weight quantization, KV dtype, device, TP size, code
+version): a cache entry whose key differs in any field is never used, so an FP8 profile never
+plans a bf16 deployment, nor a bf16 KV cache's an FP8 one.
 """
 
 from __future__ import annotations
@@ -24,13 +25,25 @@ TIMED_SOURCES = ("common", "prefill_node", "decode_node", "kv_transfer")
 @dataclass(frozen=True)
 class ProfileKey:
     model: str  # the resolved model directory (or name) and load format
-    dtype: str
+    dtype: str  # what activations compute in
+    quantization: str  # the weights' scheme as built: "none", "fp8-channel-token", ...
+    kv_dtype: str  # the KV pool's dtype: "bfloat16", "float8_e4m3fn", ...
     device: str  # e.g. "NVIDIA H200", "cpu:2threads"
     tp: int
     code_version: str
 
     def as_text(self) -> str:
-        return f"{self.model}|{self.dtype}|{self.device}|tp{self.tp}|{self.code_version}"
+        return (
+            f"{self.model}|{self.dtype}|weights:{self.quantization}|kv:{self.kv_dtype}|"
+            f"{self.device}|tp{self.tp}|{self.code_version}"
+        )
+
+    def describe(self) -> str:
+        """The engine the profile measured, for the planner's output."""
+        return (
+            f"{self.device}, {self.dtype}, weights {self.quantization}, KV {self.kv_dtype}, "
+            f"TP {self.tp}"
+        )
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ sampler, with CUDA graphs where the nodes use them), not a bare forward pass.
   a chunk late in a long prompt).
 - Decode: B sequences of C tokens each, decoded by the scheduler and loop the decode node
   uses (overlapped unless the flags turn it off); the mean of several steady steps.
-- KV: bytes per token from the model shapes, the pool the worker sized at the configured
-  memory fraction, and the device's total memory.
+- KV: bytes per token from the model shapes and the pool's dtype, the pool the worker sized at
+  the configured memory fraction, and the device's total memory.
 Every prompt has fresh random ids, so no measurement hits the prefix cache by accident.
 """
 
@@ -28,6 +28,7 @@ from common.engine.config import EngineConfig
 from common.engine.core import EngineCore
 from common.engine.scheduler import Scheduler
 from common.engine.worker import Worker
+from common.model.quantization.config import QuantConfig, resolve_quantization
 from common.protocol.sampling_params import SamplingParams
 from pdserve.planner.cost_model import fit, max_relative_error
 from pdserve.planner.profile import (
@@ -61,16 +62,42 @@ def device_name(device: torch.device) -> str:
     return f"cpu:{torch.get_num_threads()}threads"
 
 
-def profile_key(config: EngineConfig, tp: int = 1) -> ProfileKey:
-    """The key of the profile `config` would produce, without loading any weights."""
-    from common.engine.worker import pick_device, pick_dtype
-    from common.model.source import resolve_model
+def quantization_name(scheme: QuantConfig | None) -> str:
+    """A scheme's label: "none", or "fp8-" + the weight scales' layout (and block) + "-" +
+    the activations' (e.g. "fp8-channel-token", "fp8-block128x128-group")."""
+    if scheme is None:
+        return "none"
+    block = "" if scheme.block is None else f"{scheme.block[0]}x{scheme.block[1]}"
+    return f"fp8-{scheme.weights}{block}-{scheme.activations}"
 
-    device = pick_device(config.model.device)
-    dtype = str(pick_dtype(config.model.dtype, device)).removeprefix("torch.")
-    source = resolve_model(config.model.model, dtype=dtype)
-    model = f"{source.directory}|{config.model.load_format}|bs{config.cache.block_size}"
-    return ProfileKey(model, dtype, device_name(device), tp, code_version())
+
+def kv_dtype_name(config: EngineConfig, dtype: str) -> str:
+    """The KV pool's dtype: the model's for "auto", e4m3 for "fp8"."""
+    # Engines from before the FP8 KV cache have no such option: their pool is "auto".
+    kv = getattr(config.cache, "kv_cache_dtype", "auto")
+    names = {"auto": dtype, "fp8": "float8_e4m3fn"}
+    if kv not in names:
+        raise ValueError(f"kv_cache_dtype must be one of {list(names)}, got {kv!r}")
+    return names[kv]
+
+
+def profile_key(config: EngineConfig, tp: int = 1) -> ProfileKey:
+    """The key of the profile `config` would produce, without loading any weights: the weights'
+    quantization is the checkpoint's (its config.json) or `--quantization`'s, as the worker
+    builds it."""
+    from common.engine.worker import pick_device, pick_dtype
+    from common.model.source import read_spec, resolve_model
+
+    mc = config.model
+    device = pick_device(mc.device)
+    dtype = str(pick_dtype(mc.dtype, device)).removeprefix("torch.")
+    source = resolve_model(mc.model, dtype=dtype)
+    scheme = resolve_quantization(read_spec(source).quantization, mc.quantization, mc.load_format)
+    model = f"{source.directory}|{mc.load_format}|bs{config.cache.block_size}"
+    return ProfileKey(
+        model, dtype, quantization_name(scheme), kv_dtype_name(config, dtype),
+        device_name(device), tp, code_version(),
+    )  # fmt: skip
 
 
 def profiling_config(config: EngineConfig, grid: ProfileGrid) -> EngineConfig:
@@ -208,7 +235,7 @@ class Profiler:
     # -- memory ---------------------------------------------------------------------------
     def memory(self) -> MemoryInfo:
         rt, w = self.worker.runtime, self.worker
-        per_token = w.spec.kv_bytes_per_token(torch.empty((), dtype=w.dtype).element_size())
+        per_token = w.spec.kv_bytes_per_token(w.kv_cache.pool.element_size())
         kv_bytes = (rt.num_kv_blocks + 1) * rt.block_size * per_token
         total = fraction = None
         if w.device.type == "cuda":
