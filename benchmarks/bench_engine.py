@@ -64,9 +64,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
-    if args.kv_cache_dtype != "auto":  # "auto" runs on engines that predate the option
-        options["kv_cache_dtype"] = args.kv_cache_dtype
     return options
 
 

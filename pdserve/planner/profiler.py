@@ -74,7 +74,7 @@ def quantization_name(scheme: QuantConfig | None) -> str:
 def kv_dtype_name(config: EngineConfig, dtype: str) -> str:
     """The KV pool's dtype: the model's for "auto", e4m3 for "fp8"."""
     # Engines from before the FP8 KV cache have no such option: their pool is "auto".
-    kv = getattr(config.cache, "kv_cache_dtype", "auto")
+    kv = config.cache.kv_cache_dtype
     names = {"auto": dtype, "fp8": "float8_e4m3fn"}
     if kv not in names:
         raise ValueError(f"kv_cache_dtype must be one of {list(names)}, got {kv!r}")
