@@ -1,5 +1,5 @@
-"""FP8 e4m3 quantization: torch reference implementations of what the GPU kernels (fused into
-RMSNorm / SiLU·mul, later) must reproduce bit for bit.
+"""FP8 e4m3 quantization: torch reference implementations of what the GPU kernels fused into
+RMSNorm / SiLU·mul (`common.model.kernels.fp8_quant`) reproduce bit for bit.
 
 Rounding contract, shared by every helper: in float32, `q = (x / scale).clamp(-448, 448)`
 then `.to(torch.float8_e4m3fn)` (round to nearest even); dequantized, `q.float() * scale`.
