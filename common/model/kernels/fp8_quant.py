@@ -49,14 +49,15 @@ def _e4m3_bits(v):
     return (sign | tl.where(exp >= 121, normal, subnormal)).to(tl.uint8)
 
 
+# Divisions are IEEE-rounded like torch's: Triton's `/` is approximate (div.full.f32) on NVIDIA.
 @triton.jit
 def _scale_of(amax):
-    return tl.maximum(amax / _MAX, _FLOOR)
+    return tl.maximum(tl.math.div_rn(amax, _MAX), _FLOOR)
 
 
 @triton.jit
 def _fp8(y, scale):
-    return _e4m3_bits(tl.clamp(y / scale, -_MAX, _MAX))
+    return _e4m3_bits(tl.clamp(tl.math.div_rn(y, scale), -_MAX, _MAX))
 
 
 @triton.jit
