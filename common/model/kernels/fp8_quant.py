@@ -23,7 +23,8 @@ from common.model.quantization.fp8_ops import FP8, FP8_MAX, MIN_SCALE
 _TOKEN, _GROUP = tl.constexpr(0), tl.constexpr(1)  # else static
 _LAYOUT = {"token": 0, "group": 1, "static": 2}
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-_CHUNK = 2048  # columns per loop step of the row kernels
+_TOKEN_STEP = 8192  # columns per loop step of a per-token row program
+_CHUNK = 1024  # columns per program of the group and static layouts
 _MAX = tl.constexpr(FP8_MAX)
 _FLOOR = tl.constexpr(MIN_SCALE)
 
@@ -136,8 +137,9 @@ def _quantize_rows_kernel(
     SILU: tl.constexpr, LAYOUT: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # fmt: on
-    """Row r of `_row` in steps of BLOCK columns; per-token scales take two passes (the amax,
-    then the quantization), recomputing the row instead of keeping it."""
+    """Per-token scales: program (r, 0) does row r of `_row` in steps of BLOCK columns, in two
+    passes (the amax, then the quantization; the row is recomputed, not kept). Group and
+    static scales need no row-wide value: program (r, c) does columns c*BLOCK.. of row r."""
     row = tl.program_id(0).to(tl.int64)
     x_row, q_row = x_ptr + row * stride_x, q_ptr + row * n
     s_row = s_ptr + row * num_scales
@@ -151,14 +153,13 @@ def _quantize_rows_kernel(
         for start in range(0, n, BLOCK):
             y = _row(x_row, n, start + offs, SILU)
             tl.store(q_row + start + offs, _fp8(y, scale), mask=start + offs < n)
-    elif LAYOUT == _GROUP:
-        for start in range(0, n, BLOCK):
-            y = _row(x_row, n, start + offs, SILU)
-            _store_groups(y, start, n, q_row, s_row, GROUP_SIZE, BLOCK)
     else:
-        scale = tl.load(static_ptr)
-        for start in range(0, n, BLOCK):
-            y = _row(x_row, n, start + offs, SILU)
+        start = tl.program_id(1) * BLOCK
+        y = _row(x_row, n, start + offs, SILU)
+        if LAYOUT == _GROUP:
+            _store_groups(y, start, n, q_row, s_row, GROUP_SIZE, BLOCK)
+        else:
+            scale = tl.load(static_ptr)
             tl.store(q_row + start + offs, _fp8(y, scale), mask=start + offs < n)
 
 
@@ -210,11 +211,14 @@ def _quantize_rows(x: torch.Tensor, n: int, quant: ActivationQuant, silu: bool) 
     x2 = _rows(x)
     act, static = _outputs(x2, n, x.dtype, quant)
     if x2.shape[0] and n:
-        block = max(min(_CHUNK, triton.next_power_of_2(n)), quant.group)
-        _quantize_rows_kernel[(x2.shape[0],)](
+        token = quant.layout == "token"
+        cap = _TOKEN_STEP if token else _CHUNK
+        block = max(min(cap, triton.next_power_of_2(n)), quant.group)
+        grid = (x2.shape[0], 1 if token else triton.cdiv(n, block))
+        _quantize_rows_kernel[grid](
             x2, act.data, act.scale, static, x2.stride(0), n, _num_scales(act),
             SILU=silu, LAYOUT=_LAYOUT[quant.layout], GROUP_SIZE=quant.group, BLOCK=block,
-            num_warps=4,
+            num_warps=_row_warps(block),
         )  # fmt: skip
     return _shaped(act, (*x.shape[:-1], n))
 
