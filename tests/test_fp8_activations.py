@@ -102,3 +102,30 @@ def test_a_plain_input_and_an_fp8_one_give_the_same_output():
     w = layer.weight.float() * fp8_ops.expand_groups(rows, 128, 200)
     xd = act.data.float() * fp8_ops.expand_groups(act.scale, 128, 200)
     torch.testing.assert_close(layer(act), xd @ w.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layout", sorted(SCHEMES))
+@pytest.mark.parametrize("eager", [True, False])
+def test_on_a_gpu_the_fused_kernels_give_the_logprobs_of_the_unfused_torch_path(
+    tmp_path, monkeypatch, layout, eager
+):
+    """The Triton kernels emit what `fp8_ops` computes from the unfused ops' output, so the
+    model's logprobs are bit-equal to those of plain inputs quantized in torch; with graphs
+    too (the kernels are captured)."""
+    folder = write_config(tmp_path, SCHEMES[layout])
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    options = dict(OPTIONS, device="cuda", dtype="bfloat16", enforce_eager=eager)
+
+    def logprobs() -> list[list[float]]:
+        with LLM(folder, load_format="dummy", **options) as llm:
+            return [out.logprobs for out in llm.generate(PROMPTS, params)]
+
+    fused = logprobs()
+    monkeypatch.setattr(LinearBase, "input_quant", property(lambda layer: None))
+    monkeypatch.setattr(
+        Fp8LinearMethod,
+        "quantize_input",
+        lambda self, layer, x: quantize_activation(x, self.input_quant(layer)),
+    )
+    assert fused == logprobs()
