@@ -4,7 +4,7 @@ RMSNorm (+ residual add), SiLU-and-mul, and a plain quantization (attention outp
 One program per token row; no host syncs (a static scale is read on the device), so launches
 are capturable in CUDA graphs. Each kernel first rounds its output to the model dtype exactly
 as `fused_ops` does, then quantizes as `common.model.quantization.fp8_ops`: scale =
-max(amax / 448, MIN_SCALE), q = e4m3(clamp(y / scale, ±448)), bit for bit. The e4m3 bits are
+max(amax * INV_FP8_MAX, MIN_SCALE), q = e4m3(clamp(y / scale, ±448)), bit for bit. The e4m3 bits are
 computed with integer ops (`_e4m3_bits`) and stored through a uint8 view: Triton's CPU
 interpreter rounds FP8 casts wrongly, and one path that runs everywhere is the one tested.
 Inputs need only their last dimension contiguous.
@@ -18,7 +18,7 @@ import triton.language as tl
 
 from common.model.kernels.fused_ops import _row_warps
 from common.model.quantization.activation import ActivationQuant, Fp8Activation
-from common.model.quantization.fp8_ops import FP8, FP8_MAX, MIN_SCALE
+from common.model.quantization.fp8_ops import FP8, FP8_MAX, INV_FP8_MAX, MIN_SCALE
 
 _TOKEN, _GROUP = tl.constexpr(0), tl.constexpr(1)  # else static
 _LAYOUT = {"token": 0, "group": 1, "static": 2}
@@ -26,6 +26,7 @@ _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 _TOKEN_STEP = 8192  # columns per loop step of a per-token row program
 _CHUNK = 1024  # columns per program of the group and static layouts
 _MAX = tl.constexpr(FP8_MAX)
+_INV_MAX = tl.constexpr(INV_FP8_MAX)
 _FLOOR = tl.constexpr(MIN_SCALE)
 
 
@@ -50,12 +51,12 @@ def _e4m3_bits(v):
     return (sign | tl.where(exp >= 121, normal, subnormal)).to(tl.uint8)
 
 
-# Divisions are IEEE-rounded like torch's: Triton's `/` is approximate (div.full.f32) on NVIDIA.
 @triton.jit
 def _scale_of(amax):
-    return tl.maximum(tl.math.div_rn(amax, _MAX), _FLOOR)
+    return tl.maximum(amax * _INV_MAX, _FLOOR)
 
 
+# IEEE-rounded like torch's division by a tensor: Triton's `/` is div.full.f32 on NVIDIA.
 @triton.jit
 def _fp8(y, scale):
     return _e4m3_bits(tl.clamp(tl.math.div_rn(y, scale), -_MAX, _MAX))
