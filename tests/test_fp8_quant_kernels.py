@@ -28,6 +28,7 @@ from common.model.quantization.activation import (  # noqa: E402
 from common.model.quantization.fp8_ops import MIN_SCALE  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = [torch.float32, torch.bfloat16]
 EPS = 1e-6
 
@@ -54,11 +55,19 @@ def assert_bit_equal(got: Fp8Activation, want: Fp8Activation) -> None:
     assert got.dtype == want.dtype
 
 
+def assert_an_ulp_apart(got: Fp8Activation, want: Fp8Activation) -> None:
+    """Scales at most an ulp apart, FP8 codes at most one step (adjacent codes of one sign
+    are adjacent bytes)."""
+    torch.testing.assert_close(got.scale, want.scale, rtol=2.5e-7, atol=0)
+    steps = got.data.view(torch.uint8).int() - want.data.view(torch.uint8).int()
+    assert steps.abs().max() <= 1
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["token", "group", "static"])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_fp8_equals_the_norm_kernel_then_fp8_ops(dtype, layout, with_residual):
-    n = 200  # two groups of 128, the last one short
+@pytest.mark.parametrize("n", [200, 4096])  # 200: two groups of 128, the last one short
+def test_rms_norm_fp8_equals_the_norm_kernel_then_fp8_ops(dtype, layout, with_residual, n):
     x, weight = rows(5, n, dtype), rows(1, n, dtype, zero_row=None)[0] + 1
     residual = rows(5, n, dtype) * 3 if with_residual else None
     q = quant(layout)
@@ -70,7 +79,14 @@ def test_rms_norm_fp8_equals_the_norm_kernel_then_fp8_ops(dtype, layout, with_re
         y, want_residual = fused_ops.rms_norm(x, weight, EPS, residual)
         want = quantize_activation(y, q)
         assert torch.equal(new_residual, want_residual)
-    assert_bit_equal(got, want)
+    if dtype == torch.float32 and not INTERPRET:
+        # Compiled, the sum of squares is reduced in an order Triton derives from the tensor
+        # layout, which follows what a kernel stores (bytes here, floats in fused_ops): the
+        # float32 rstd may differ in its last ulp (seen on an H200 at n = 4096). In bfloat16
+        # the rounding to the model dtype absorbed it in every case tried there.
+        assert_an_ulp_apart(got, want)
+    else:
+        assert_bit_equal(got, want)
     if layout != "static":  # row 2 of x (and of residual) is zero: the floor, not NaN
         assert torch.all(got.scale[2] == MIN_SCALE) and torch.all(got.data[2].float() == 0)
 
