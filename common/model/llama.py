@@ -4,6 +4,8 @@ Variants differ only by flags in `ModelSpec`: QKV bias (Qwen2), per-head q/k RMS
 llama3 rope scaling, tied embeddings. Q/K/V and gate/up are fused into single matmuls
 (`PACKED_MODULES` says which checkpoint tensors each stacks).
 The model sees attention only through `ForwardContext`; it never imports a backend.
+Each op that feeds a linear layer gets that layer's `input_quant`: with FP8 linears the norms,
+SiLU-and-mul and the attention output hand them `Fp8Activation`s, quantized in the same kernel.
 
 Tensor parallelism (`common.model.parallel`): the model is built from the full `ModelSpec` and
 a `TPGroup`; its layers hold this rank's slice (`common.model.layers.linear`, `.vocab`) and
@@ -20,7 +22,7 @@ from torch import nn
 
 from common.model.attention.base import ForwardContext
 from common.model.distributed import TPGroup
-from common.model.layers.basic import RMSNorm, RotaryEmbedding, silu_and_mul
+from common.model.layers.basic import RMSNorm, RotaryEmbedding, quantize, silu_and_mul
 from common.model.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -30,6 +32,7 @@ from common.model.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from common.model.layers.weights import default_weight_loader
 from common.model.parallel import rank_spec
 from common.model.quantization import LinearMethod
+from common.model.quantization.activation import Fp8Activation
 from common.model.spec import ModelSpec
 
 # our fused module -> the checkpoint modules stacked in it, in shard order
@@ -73,7 +76,11 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor | Fp8Activation,
+        rotary: RotaryEmbedding,
+        ctx: ForwardContext,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -82,8 +89,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        out = ctx.attention(self.layer, q, k, v)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = ctx.attention(self.layer, q, k, v).reshape(-1, self.q_size)
+        return self.o_proj(quantize(out, self.o_proj.input_quant))
 
 
 class MLP(nn.Module):
@@ -95,8 +102,8 @@ class MLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(size, spec.hidden_size, tp, method=method)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.down_proj.input_quant))
 
 
 class DecoderLayer(nn.Module):
@@ -110,13 +117,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, positions, hidden, residual, rotary, ctx):
+        quant = self.self_attn.qkv_proj.input_quant
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.input_layernorm(hidden, quant=quant)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, quant)
         hidden = self.self_attn(positions, hidden, rotary, ctx)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        quant = self.mlp.gate_up_proj.input_quant
+        hidden, residual = self.post_attention_layernorm(hidden, residual, quant)
         return self.mlp(hidden), residual
 
 

@@ -1,8 +1,9 @@
 """The model's elementwise ops, one name each: Triton kernels on CUDA, torch everywhere else.
 
 The torch versions are the reference (and what CPU runs, bit for bit what the HF-equality
-tests check). The Triton versions (`common.model.kernels.fused_ops`) are imported on first CUDA use
-only, so importing the model never imports or decorates a kernel.
+tests check). The Triton versions (`common.model.kernels.fused_ops`, `.fp8_quant`) are imported
+on first CUDA use only, so importing the model never imports or decorates a kernel. The `_fp8`
+variants emit their output already quantized for an FP8 linear layer (`ActivationQuant`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,12 @@ import importlib.util
 
 import torch
 import torch.nn.functional as F
+
+from common.model.quantization.activation import (
+    ActivationQuant,
+    Fp8Activation,
+    quantize_activation,
+)
 
 
 @functools.cache
@@ -55,6 +62,44 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return fused_ops.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def rms_norm_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    quant: ActivationQuant,
+) -> tuple[Fp8Activation, torch.Tensor | None]:
+    """`rms_norm`'s output quantized as `quant` says, and the new residual (None without
+    `residual`)."""
+    if _use_triton(x):
+        from common.model.kernels import fp8_quant
+
+        return fp8_quant.rms_norm_fp8(x, weight, eps, residual, quant)
+    if residual is None:
+        return quantize_activation(_rms_norm(x, weight, eps), quant), None
+    x = x + residual
+    return quantize_activation(_rms_norm(x, weight, eps), quant), x
+
+
+def silu_and_mul_fp8(gate_up: torch.Tensor, quant: ActivationQuant) -> Fp8Activation:
+    """`silu_and_mul`'s output quantized as `quant` says."""
+    if _use_triton(gate_up):
+        from common.model.kernels import fp8_quant
+
+        return fp8_quant.silu_and_mul_fp8(gate_up, quant)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return quantize_activation(F.silu(gate) * up, quant)
+
+
+def quantize_fp8(x: torch.Tensor, quant: ActivationQuant) -> Fp8Activation:
+    """`x` quantized as `quant` says (one kernel on CUDA)."""
+    if _use_triton(x):
+        from common.model.kernels import fp8_quant
+
+        return fp8_quant.quantize_fp8(x, quant)
+    return quantize_activation(x, quant)
 
 
 def apply_rotary(

@@ -1,4 +1,8 @@
-"""Building blocks of the Llama family: RMSNorm, rotary embedding, SiLU-and-mul."""
+"""Building blocks of the Llama family: RMSNorm, rotary embedding, SiLU-and-mul.
+
+The ops that feed a linear layer take its `input_quant` and, when it is set, emit the
+`Fp8Activation` the layer multiplies as is; None leaves them the plain ops.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import torch
 from torch import nn
 
 from common.model import ops
+from common.model.quantization.activation import ActivationQuant, Fp8Activation
 from common.model.spec import RopeSpec
 
 
@@ -19,11 +24,30 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return ops.rms_norm(x, self.weight, self.eps, residual)
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        quant: ActivationQuant | None = None,
+    ):
+        """`ops.rms_norm`'s output (and new residual), in FP8 when `quant` is set."""
+        if quant is None:
+            return ops.rms_norm(x, self.weight, self.eps, residual)
+        out, residual_out = ops.rms_norm_fp8(x, self.weight, self.eps, residual, quant)
+        return out if residual is None else (out, residual_out)
 
 
-silu_and_mul = ops.silu_and_mul
+def silu_and_mul(
+    gate_up: torch.Tensor, quant: ActivationQuant | None = None
+) -> torch.Tensor | Fp8Activation:
+    if quant is None:
+        return ops.silu_and_mul(gate_up)
+    return ops.silu_and_mul_fp8(gate_up, quant)
+
+
+def quantize(x: torch.Tensor, quant: ActivationQuant | None) -> torch.Tensor | Fp8Activation:
+    """`x` as a linear layer with `input_quant` `quant` takes it (one kernel on CUDA)."""
+    return x if quant is None else ops.quantize_fp8(x, quant)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeSpec) -> torch.Tensor:

@@ -19,6 +19,7 @@ from common.model.distributed import TPGroup
 from common.model.layers.weights import copy_checked
 from common.model.parallel import TPLayout
 from common.model.quantization import LinearMethod, UnquantizedLinearMethod
+from common.model.quantization.activation import ActivationQuant, Fp8Activation
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,11 @@ class LinearBase(nn.Module):
         super().__init__()
         self.tp = tp
         self.method = method or UnquantizedLinearMethod()
+
+    @property
+    def input_quant(self) -> ActivationQuant | None:
+        """The FP8 layout this layer's input may come in (`LinearMethod.input_quant`)."""
+        return self.method.input_quant(self)
 
     def _add_bias(self, size: int, bias: bool) -> None:
         if not bias:
@@ -75,7 +81,7 @@ class ColumnParallelBase(LinearBase):
         self.method.create_weights(self, input_size, self.output_sizes, self.weight_loader)
         self._add_bias(sum(self.output_sizes), bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         return self.method.apply(self, x, self.bias)
 
     def weight_loader(
@@ -177,7 +183,8 @@ class RowParallelLinear(LinearBase):
         self.method.create_weights(self, len(self.columns), [output_size], self.weight_loader)
         self._add_bias(output_size, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        """`x` is this rank's input columns; FP8 scales of them are rank-local too."""
         out = self.method.apply(self, x, self.bias if self.tp.rank == 0 else None)
         return self.tp.all_reduce(out) if self.reduce else out
 

@@ -2,6 +2,7 @@
 multiply their weights. `config` reads a checkpoint's scheme (torch-free: `ModelSpec` holds
 it); `selection.linear_method_for` is the one place that maps it to a method: unquantized, or
 one FP8 method per weight-scale layout (`fp8`, with `fp8_ops`, `fp8_gemm`, `fp8_loaders`).
+`activation` is the seam through which the ops feeding a linear layer hand it FP8 inputs.
 
 The names below load on first use (PEP 562), so importing `config` from `ModelSpec` does not
 import torch.

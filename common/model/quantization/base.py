@@ -7,6 +7,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from common.model.quantization.activation import ActivationQuant, Fp8Activation
+
 WeightLoader = Callable[..., None]
 
 
@@ -30,7 +32,16 @@ class LinearMethod:
         columns, `output_sizes` rows per fused shard, in shard order."""
         raise NotImplementedError
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def input_quant(self, layer: nn.Module) -> ActivationQuant | None:
+        """How `apply` wants its input: None for a plain tensor, else the FP8 layout in which
+        the op producing it may hand over an `Fp8Activation` (so no separate quantization
+        runs). Valid once the weights are loaded."""
+        return None
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor | Fp8Activation, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`x` [..., K] -> [..., N]. An `Fp8Activation` comes only when `input_quant` asked."""
         raise NotImplementedError
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:

@@ -7,6 +7,10 @@ a high-precision checkpoint (or dummy weights) and quantized in `process_weights
 Static activation scales (`input_scale`, one per fused shard) are reduced to their max: the
 shards see the same input, so calibrated checkpoints store equal values, and the max clips
 none of them.
+
+Activations come as `Fp8Activation` from the op that produced them (`input_quant` says the
+layout); a plain tensor is quantized here, in one kernel on CUDA
+(`common.model.ops.quantize_fp8`).
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from common.model.ops import quantize_fp8
 from common.model.quantization import fp8_ops as ops
+from common.model.quantization.activation import ActivationQuant, Fp8Activation
 from common.model.quantization.base import LinearMethod, WeightLoader
 from common.model.quantization.config import QuantConfig
-from common.model.quantization.fp8_gemm import fp8_linear, reference_linear
+from common.model.quantization.fp8_gemm import block_fp8_linear, fp8_linear
 from common.model.quantization.fp8_loaders import (
     BlockScaleLoader,
     per_row_loader,
@@ -66,16 +72,33 @@ class Fp8LinearMethod(LinearMethod):
             layer.input_scale = _param(layer.input_scale.data.max().reshape(()))
         self.finish(layer)
 
-    def quantize_input(self, layer: nn.Module, x: torch.Tensor):
+    def input_quant(self, layer: nn.Module) -> ActivationQuant:
         if self.config.activations == "static":
-            return ops.quantize_per_tensor(x, layer.input_scale), layer.input_scale
-        return ops.quantize_per_token(x)
+            return ActivationQuant("static", scale=layer.input_scale)
+        return ActivationQuant("token")
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        shape = x.shape
-        xq, x_scale = self.quantize_input(layer, x.reshape(-1, shape[-1]))
-        out = fp8_linear(xq, x_scale, layer.weight, layer.weight_scale, x.dtype, bias)
+    def quantize_input(self, layer: nn.Module, x: torch.Tensor) -> Fp8Activation:
+        """The separate quantization, for an input no kernel handed over in FP8."""
+        return quantize_fp8(x, self.input_quant(layer))
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor | Fp8Activation, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        act = x if isinstance(x, Fp8Activation) else self.quantize_input(layer, x)
+        shape = act.data.shape
+        out = self.matmul(layer, act.data.reshape(-1, shape[-1]), act.scale, act.dtype, bias)
         return out.reshape(*shape[:-1], out.shape[-1])
+
+    def matmul(
+        self,
+        layer: nn.Module,
+        xq: torch.Tensor,
+        x_scale: torch.Tensor,
+        out_dtype: torch.dtype,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """FP8 rows [M, K] with their scales in `input_quant`'s layout -> [M, N]."""
+        return fp8_linear(xq, x_scale, layer.weight, layer.weight_scale, out_dtype, bias)
 
     # Per layout:
     def create_scales(self, layer: nn.Module, input_size: int, output_sizes: list[int]) -> None:
@@ -135,8 +158,9 @@ class Fp8PerChannelMethod(Fp8LinearMethod):
 class Fp8BlockMethod(Fp8LinearMethod):
     """Weight scales per `block` tile (128 x 128), activations per token and 128 columns.
     Fused shards each start a new block row (`BlockScaleLoader`); `row_block` maps each
-    output row to its block row. A TP size that cuts a block is refused when the layer is
-    built."""
+    output row to its block row, and after loading `weight_scale_rows` holds each output
+    row's block scales ([N, ceil(K / 128)], what the GEMM reads). A TP size that cuts a
+    block is refused when the layer is built."""
 
     def create_weights(self, layer, input_size, output_sizes, weight_loader):
         loader = BlockScaleLoader(layer, self.config.block, sum(output_sizes))
@@ -160,16 +184,13 @@ class Fp8BlockMethod(Fp8LinearMethod):
     def store_scales(self, layer, scales):
         setattr(layer, self.config.scale_name, _param(torch.cat(scales)))
 
-    def quantize_input(self, layer, x):
-        return ops.quantize_per_token_group(x, self.config.block[1])
+    def finish(self, layer):
+        rows = getattr(layer, self.config.scale_name).data[layer.row_block].contiguous()
+        layer.register_buffer("weight_scale_rows", rows, persistent=False)
 
-    def apply(self, layer, x, bias):
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        xq, x_scale = self.quantize_input(layer, x2)
-        k, bk = x2.shape[-1], self.config.block[1]
-        scales = getattr(layer, self.config.scale_name)[layer.row_block]  # [N, K blocks]
-        w_scale = ops.expand_groups(scales, bk, k)
-        x_scale = ops.expand_groups(x_scale, bk, k)
-        out = reference_linear(xq, x_scale, layer.weight, w_scale, x.dtype, bias)
-        return out.reshape(*shape[:-1], out.shape[-1])
+    def input_quant(self, layer):
+        return ActivationQuant("group", group=self.config.block[1])
+
+    def matmul(self, layer, xq, x_scale, out_dtype, bias):
+        w, w_scale, bk = layer.weight, layer.weight_scale_rows, self.config.block[1]
+        return block_fp8_linear(xq, x_scale, w, w_scale, bk, out_dtype, bias)

@@ -53,3 +53,23 @@ def reference_linear(xq, x_scale, weight, w_scale, out_dtype, bias):
     x = xq.float() * x_scale
     w = weight.float() * (w_scale.reshape(-1, 1) if w_scale.dim() == 1 else w_scale)
     return F.linear(x, w, None if bias is None else bias.float()).to(out_dtype)
+
+
+def block_fp8_linear(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    w_scale_rows: torch.Tensor,
+    group_k: int,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """Block-scaled FP8 GEMM: xq FP8 [M, K] with x_scale float32 [M, KB] (one per token and
+    `group_k` columns, KB = ceil(K / group_k)); weight FP8 [N, K] with w_scale_rows float32
+    [N, KB] (each output row's block scales) -> [M, N] in `out_dtype`."""
+    from common.model.quantization.fp8_ops import expand_groups
+
+    k = xq.shape[-1]
+    # CUDA takes the dequantizing path too until the Triton block-scaled GEMM replaces it.
+    x_scale, w_scale = expand_groups(x_scale, group_k, k), expand_groups(w_scale_rows, group_k, k)
+    return reference_linear(xq, x_scale, weight, w_scale, out_dtype, bias)

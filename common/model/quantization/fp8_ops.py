@@ -1,10 +1,12 @@
-"""FP8 e4m3 quantization: torch reference implementations of what the GPU kernels (fused into
-RMSNorm / SiLU·mul, later) must reproduce bit for bit.
+"""FP8 e4m3 quantization: torch reference implementations of what the GPU kernels fused into
+RMSNorm / SiLU·mul (`common.model.kernels.fp8_quant`) reproduce bit for bit.
 
 Rounding contract, shared by every helper: in float32, `q = (x / scale).clamp(-448, 448)`
 then `.to(torch.float8_e4m3fn)` (round to nearest even); dequantized, `q.float() * scale`.
-Dynamic scales are `amax / 448` of the row (or group), clamped below by `MIN_SCALE` so an
-all-zero row quantizes to zeros instead of NaN.
+Dynamic scales are `amax * INV_FP8_MAX` of the row (or group), clamped below by `MIN_SCALE`
+so an all-zero row quantizes to zeros instead of NaN. A product, not `amax / 448`: torch's
+CUDA division by a scalar multiplies by its reciprocal while its CPU division rounds the
+quotient, so only the product is the same number on every device (and in the kernels).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+INV_FP8_MAX = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))  # 1/448 in float32
 # vLLM's floor for dynamic scales: an amax below 1/512 quantizes to the same scale.
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
@@ -23,7 +26,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def dynamic_scale(amax: torch.Tensor) -> torch.Tensor:
-    return (amax.float() / FP8_MAX).clamp(min=MIN_SCALE)
+    return (amax.float() * INV_FP8_MAX).clamp(min=MIN_SCALE)
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

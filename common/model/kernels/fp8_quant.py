@@ -1,0 +1,256 @@
+"""FP8 activation quantization fused into the kernels that produce a linear layer's input:
+RMSNorm (+ residual add), SiLU-and-mul, and a plain quantization (attention output -> o_proj).
+
+One program per token row; no host syncs (a static scale is read on the device), so launches
+are capturable in CUDA graphs. Each kernel first rounds its output to the model dtype exactly
+as `fused_ops` does, then quantizes as `common.model.quantization.fp8_ops`: scale =
+max(amax * INV_FP8_MAX, MIN_SCALE), q = e4m3(clamp(y / scale, ±448)), bit for bit. The e4m3 bits are
+computed with integer ops (`_e4m3_bits`) and stored through a uint8 view: Triton's CPU
+interpreter rounds FP8 casts wrongly, and one path that runs everywhere is the one tested.
+Inputs need only their last dimension contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from common.model.kernels.fused_ops import _row_warps
+from common.model.quantization.activation import ActivationQuant, Fp8Activation
+from common.model.quantization.fp8_ops import FP8, FP8_MAX, INV_FP8_MAX, MIN_SCALE
+
+_TOKEN, _GROUP = tl.constexpr(0), tl.constexpr(1)  # else static
+_LAYOUT = {"token": 0, "group": 1, "static": 2}
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_TOKEN_STEP = 8192  # columns per loop step of a per-token row program
+_CHUNK = 1024  # columns per program of the group and static layouts
+_MAX = tl.constexpr(FP8_MAX)
+_INV_MAX = tl.constexpr(INV_FP8_MAX)
+_FLOOR = tl.constexpr(MIN_SCALE)
+
+
+@triton.jit
+def _e4m3_bits(v):
+    """float32 -> float8_e4m3fn bits, round to nearest even, for finite |v| <= 448."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    exp = a >> 23
+    # Normal (|v| >= 2^-6): keep 3 of 23 mantissa bits, ties to even; a carry bumps the
+    # exponent. Rebias 127 -> 7: the float32 exponent field minus 120, shifted past 3 bits.
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+    # Subnormal: |v| / 2^-9 rounded to an integer (8 is the smallest normal, same bits).
+    shift = tl.minimum(141 - exp, 31)
+    sig = (a & 0x7FFFFF) | 0x800000
+    q = sig >> shift
+    rem = sig - (q << shift)
+    half = 1 << (shift - 1)
+    up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+    subnormal = q + up.to(tl.int32)
+    return (sign | tl.where(exp >= 121, normal, subnormal)).to(tl.uint8)
+
+
+@triton.jit
+def _scale_of(amax):
+    return tl.maximum(amax * _INV_MAX, _FLOOR)
+
+
+# IEEE-rounded like torch's division by a tensor: Triton's `/` is div.full.f32 on NVIDIA.
+@triton.jit
+def _fp8(y, scale):
+    return _e4m3_bits(tl.clamp(tl.math.div_rn(y, scale), -_MAX, _MAX))
+
+
+@triton.jit
+def _store_quantized(y, offs, n, q_row, s_row, static_ptr,
+                     LAYOUT: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Quantize a whole row `y` (fp32, 0 past `n`) held in one block."""
+    mask = offs < n
+    if LAYOUT == _TOKEN:
+        scale = _scale_of(tl.max(tl.abs(y), 0))
+        tl.store(s_row, scale)
+        tl.store(q_row + offs, _fp8(y, scale), mask=mask)
+    elif LAYOUT == _GROUP:
+        _store_groups(y, 0, n, q_row, s_row, GROUP_SIZE, BLOCK)
+    else:
+        tl.store(q_row + offs, _fp8(y, tl.load(static_ptr)), mask=mask)
+
+
+@triton.jit
+def _store_groups(y, start, n, q_row, s_row, GROUP_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """Columns start.. start + BLOCK (`start` a multiple of GROUP_SIZE) in groups of
+    GROUP_SIZE: one scale each, at `s_row[column // GROUP_SIZE]`."""
+    offs = start + tl.arange(0, BLOCK)
+    groups = tl.reshape(y, (BLOCK // GROUP_SIZE, GROUP_SIZE))
+    scale = _scale_of(tl.max(tl.abs(groups), 1))
+    q = tl.reshape(_fp8(groups, scale[:, None]), (BLOCK,))
+    tl.store(q_row + offs, q, mask=offs < n)
+    g = start // GROUP_SIZE + tl.arange(0, BLOCK // GROUP_SIZE)
+    tl.store(s_row + g, scale, mask=g * GROUP_SIZE < n)
+
+
+# fmt: off
+@triton.jit
+def _rms_norm_fp8_kernel(
+    x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, static_ptr,
+    stride_x, stride_r, n, num_scales, eps,
+    HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr, LAYOUT: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # fmt: on
+    """Row r: the math of `fused_ops._rms_norm_kernel`, rounded to OUT_DTYPE, then FP8."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + row * n + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, 0) / n + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = ((xf * rstd).to(x.dtype).to(tl.float32) * w).to(OUT_DTYPE).to(tl.float32)
+    _store_quantized(y, offs, n, q_ptr + row * n, s_ptr + row * num_scales, static_ptr,
+                     LAYOUT, GROUP_SIZE, BLOCK)  # fmt: skip
+
+
+@triton.jit
+def _row(x_row, n, offs, SILU: tl.constexpr):
+    """Columns `offs` of a row as fp32, 0 past `n`: the input itself, or `fused_ops`'s
+    silu(gate) * up rounded to the input dtype."""
+    mask = offs < n
+    if SILU:
+        gate = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_row + n + offs, mask=mask, other=0.0)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+        y = (silu.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+    else:
+        y = tl.load(x_row + offs, mask=mask, other=0.0)
+    return y.to(tl.float32)
+
+
+# fmt: off
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr, q_ptr, s_ptr, static_ptr, stride_x, n, num_scales,
+    SILU: tl.constexpr, LAYOUT: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # fmt: on
+    """Per-token scales: program (r, 0) does row r of `_row` in steps of BLOCK columns, in two
+    passes (the amax, then the quantization; the row is recomputed, not kept). Group and
+    static scales need no row-wide value: program (r, c) does columns c*BLOCK.. of row r."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row, q_row = x_ptr + row * stride_x, q_ptr + row * n
+    s_row = s_ptr + row * num_scales
+    offs = tl.arange(0, BLOCK)
+    if LAYOUT == _TOKEN:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n, BLOCK):
+            amax = tl.maximum(amax, tl.abs(_row(x_row, n, start + offs, SILU)))
+        scale = _scale_of(tl.max(amax, 0))
+        tl.store(s_row, scale)
+        for start in range(0, n, BLOCK):
+            y = _row(x_row, n, start + offs, SILU)
+            tl.store(q_row + start + offs, _fp8(y, scale), mask=start + offs < n)
+    else:
+        start = tl.program_id(1) * BLOCK
+        y = _row(x_row, n, start + offs, SILU)
+        if LAYOUT == _GROUP:
+            _store_groups(y, start, n, q_row, s_row, GROUP_SIZE, BLOCK)
+        else:
+            scale = tl.load(static_ptr)
+            tl.store(q_row + start + offs, _fp8(y, scale), mask=start + offs < n)
+
+
+def rms_norm_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    quant: ActivationQuant,
+) -> tuple[Fp8Activation, torch.Tensor | None]:
+    """`fused_ops.rms_norm` emitting FP8 in `quant`'s layout: (the normalised rows, and with
+    `residual` the new residual x + residual, else None)."""
+    n = x.shape[-1]
+    if weight.shape != (n,) or (residual is not None and residual.shape != x.shape):
+        raise ValueError(
+            f"rms_norm_fp8: x {tuple(x.shape)}, weight {tuple(weight.shape)}, residual "
+            f"{None if residual is None else tuple(residual.shape)}"
+        )
+    out_dtype = torch.result_type(weight, x)
+    x2 = _rows(x)
+    res2 = x2 if residual is None else _rows(residual)
+    res_out = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    act, static = _outputs(x2, n, out_dtype, quant)
+    if x2.shape[0]:
+        block = max(triton.next_power_of_2(n), quant.group if quant.layout == "group" else 1)
+        _rms_norm_fp8_kernel[(x2.shape[0],)](
+            x2, res2, weight, act.data, act.scale, x2 if res_out is None else res_out, static,
+            x2.stride(0), res2.stride(0), n, _num_scales(act), eps,
+            HAS_RESIDUAL=residual is not None, OUT_DTYPE=_TL_DTYPE[out_dtype],
+            LAYOUT=_LAYOUT[quant.layout], GROUP_SIZE=quant.group, BLOCK=block,
+            num_warps=_row_warps(block),
+        )  # fmt: skip
+    return _shaped(act, x.shape), res_out
+
+
+def silu_and_mul_fp8(x: torch.Tensor, quant: ActivationQuant) -> Fp8Activation:
+    """`fused_ops.silu_and_mul` (last dim `[gate | up]`, 2n) emitting FP8 [..., n]."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul_fp8: last dim must be [gate | up], got {tuple(x.shape)}")
+    return _quantize_rows(x, x.shape[-1] // 2, quant, silu=True)
+
+
+def quantize_fp8(x: torch.Tensor, quant: ActivationQuant) -> Fp8Activation:
+    """`x` [..., K] to FP8 in `quant`'s layout, in one launch."""
+    return _quantize_rows(x, x.shape[-1], quant, silu=False)
+
+
+def _quantize_rows(x: torch.Tensor, n: int, quant: ActivationQuant, silu: bool) -> Fp8Activation:
+    x2 = _rows(x)
+    act, static = _outputs(x2, n, x.dtype, quant)
+    if x2.shape[0] and n:
+        token = quant.layout == "token"
+        cap = _TOKEN_STEP if token else _CHUNK
+        block = max(min(cap, triton.next_power_of_2(n)), quant.group)
+        grid = (x2.shape[0], 1 if token else triton.cdiv(n, block))
+        _quantize_rows_kernel[grid](
+            x2, act.data, act.scale, static, x2.stride(0), n, _num_scales(act),
+            SILU=silu, LAYOUT=_LAYOUT[quant.layout], GROUP_SIZE=quant.group, BLOCK=block,
+            num_warps=_row_warps(block),
+        )  # fmt: skip
+    return _shaped(act, (*x.shape[:-1], n))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` as [M, last dim] with unit column stride (a view where one exists)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x.reshape(-1, x.shape[-1])
+
+
+def _outputs(
+    x2: torch.Tensor, n: int, dtype: torch.dtype, quant: ActivationQuant
+) -> tuple[Fp8Activation, torch.Tensor]:
+    """Empty FP8 rows [M, n] (as their uint8 bits, which the kernels store) with their scales,
+    and the static scale pointer the kernel reads (any float32 tensor when dynamic)."""
+    m = x2.shape[0]
+    bits = torch.empty((m, n), dtype=torch.uint8, device=x2.device)
+    if quant.layout == "static":
+        if quant.scale.device != x2.device:
+            raise ValueError(f"static scale on {quant.scale.device}, activation on {x2.device}")
+        scale = static = quant.scale
+    else:
+        groups = -(-n // quant.group) if quant.layout == "group" else 1
+        scale = static = torch.empty((m, groups), dtype=torch.float32, device=x2.device)
+    return Fp8Activation(bits, scale, dtype), static
+
+
+def _num_scales(act: Fp8Activation) -> int:
+    return act.scale.shape[1] if act.scale.dim() == 2 else 0
+
+
+def _shaped(act: Fp8Activation, shape: tuple[int, ...]) -> Fp8Activation:
+    return Fp8Activation(act.data.view(FP8).view(shape), act.scale, act.dtype)
