@@ -1,14 +1,24 @@
-"""FP8 matmuls: `torch._scaled_mm` on CUDA, a reference that dequantizes everywhere else.
+"""FP8 matmuls: on CUDA `torch._scaled_mm` or the Triton kernels of
+`common.model.kernels.fp8_gemm_kernels`, chosen by scale layout and M; a reference that
+dequantizes everywhere else.
 
-Both compute out = (xq * x_scale) @ (w * w_scale).T with float32 accumulation: the reference
+All compute out = (xq * x_scale) @ (w * w_scale).T with float32 accumulation: the reference
 dequantizes the already-quantized operands exactly, so the CPU suite sees the numbers the GPU
-path computes (up to accumulation order).
+paths compute (up to accumulation order). The choice reads only shapes (M is a Python int), so
+CUDA graphs capture it.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+# Row-wise scales (x per token, w per channel) by M, from benchmarks/bench_fp8_linear.py on one
+# H200 (GEMM time alone): the Triton kernel up to TRITON_MAX_M, where row-wise `_scaled_mm`
+# measured slower than bf16; unit-scale `_scaled_mm` + a Triton scale epilogue up to
+# EPILOGUE_MAX_M (equal: never); row-wise `_scaled_mm` above. Placeholders until that run.
+TRITON_MAX_M = 128
+EPILOGUE_MAX_M = 128
 
 
 def fp8_linear(
@@ -20,10 +30,38 @@ def fp8_linear(
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """xq FP8 [M, K] with x_scale a float32 scalar or [M, 1]; weight FP8 [N, K] (row-major)
-    with w_scale a float32 scalar or [N]."""
-    if xq.is_cuda:
+    with w_scale a float32 scalar or [N]. Two scalars take per-tensor `_scaled_mm` at every M."""
+    if not xq.is_cuda:
+        return reference_linear(xq, x_scale, weight, w_scale, out_dtype, bias)
+    m, k, n = xq.shape[0], xq.shape[1], weight.shape[0]
+    if x_scale.numel() == 1 and w_scale.numel() == 1 and k % 16 == 0 and n % 16 == 0:
         return scaled_mm_linear(xq, x_scale, weight, w_scale, out_dtype, bias)
-    return reference_linear(xq, x_scale, weight, w_scale, out_dtype, bias)
+    if m <= TRITON_MAX_M or k % 16 or n % 16:  # cuBLASLt wants K and N multiples of 16
+        from common.model.kernels import fp8_gemm_kernels
+
+        return fp8_gemm_kernels.w8a8_channel_mm(xq, x_scale, weight, w_scale, out_dtype, bias)
+    if m <= EPILOGUE_MAX_M:
+        return unit_scale_mm_linear(xq, x_scale, weight, w_scale, out_dtype, bias)
+    return scaled_mm_linear(xq, x_scale, weight, w_scale, out_dtype, bias)
+
+
+def block_fp8_linear_cuda(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    w_scale_rows: torch.Tensor,
+    group_k: int,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """`block_fp8_linear` on CUDA: xq FP8 [M, K] with x_scale [M, KB] (per token and group_k
+    columns), weight FP8 [N, K] with w_scale_rows [N, KB] (each row's block scales), KB =
+    ceil(K / group_k); the Triton block-scaled GEMM at every M."""
+    from common.model.kernels import fp8_gemm_kernels
+
+    return fp8_gemm_kernels.w8a8_block_mm(
+        xq, x_scale, weight, w_scale_rows, group_k, out_dtype, bias
+    )
 
 
 def scaled_mm_linear(xq, x_scale, weight, w_scale, out_dtype, bias):
@@ -44,6 +82,18 @@ def scaled_mm_linear(xq, x_scale, weight, w_scale, out_dtype, bias):
             xq, weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16
         ).to(out_dtype)
     return out if bias is None else out + bias
+
+
+def unit_scale_mm_linear(xq, x_scale, weight, w_scale, out_dtype, bias):
+    """Per-tensor `_scaled_mm` with unit scales (the fast cuBLASLt kernel), then one Triton
+    pass applying x_scale[m] * w_scale[n] and the bias. The unscaled product of FP8 values
+    can pass 65504, so it is held in bfloat16 (float32 for a float32 output), never fp16."""
+    from common.model.kernels import fp8_gemm_kernels
+
+    one = torch.ones((), dtype=torch.float32, device=xq.device)
+    acc_dtype = torch.float32 if out_dtype == torch.float32 else torch.bfloat16
+    acc = torch._scaled_mm(xq, weight.t(), scale_a=one, scale_b=one, out_dtype=acc_dtype)
+    return fp8_gemm_kernels.scale_epilogue(acc, x_scale, w_scale, out_dtype, bias)
 
 
 def reference_linear(xq, x_scale, weight, w_scale, out_dtype, bias):
