@@ -223,24 +223,31 @@ def ref_block(w: Weights, x: Inputs) -> torch.Tensor:
 
 
 def sweep_configs() -> list[tuple[str, object, tuple[int, int]]]:
-    """Tile variants (block_m, block_n, block_k, warps, stages, swap_ab, split_k) around the
-    table's decode and prefill entries, each timed only in its own range of M."""
-    from common.model.kernels.fp8_gemm_kernels import TileConfig
+    """Tile variants around the table's decode and prefill entries, each timed only in its own
+    range of M. Labels: BMxBN, kK per iteration (block-scaled: 256 = two groups), wWARPS,
+    sSTAGES, swap (operands swapped), 1split (no split-K), p32 (promote every 32 columns)."""
+    from common.model.kernels.fp8_gemm_kernels import TileConfig as T
 
     decode = [
-        ("16x64 swap", TileConfig(16, 64, 256, 4, 4, True)),
-        ("16x128 swap", TileConfig(16, 128, 128, 4, 4, True)),
-        ("16x64 swap s1", TileConfig(16, 64, 256, 4, 4, True, 1)),
-        ("16x64", TileConfig(16, 64, 256, 4, 4, False)),
-        ("16x32 st6", TileConfig(16, 32, 256, 4, 6, False)),
-        ("32x64 swap", TileConfig(32, 64, 256, 4, 4, True)),
-        ("64x64 swap", TileConfig(64, 64, 128, 4, 4, True)),
-        ("64x64", TileConfig(64, 64, 128, 4, 4, False)),
+        ("16x64 k256 w4 s4 swap", T(16, 64, 256, 4, 4, True)),
+        ("16x64 k256 w4 s4 swap p32", T(16, 64, 256, 4, 4, True, promote_k=32)),
+        ("16x64 k256 w4 s4 swap 1split", T(16, 64, 256, 4, 4, True, 1)),
+        ("16x128 k256 w4 s3 swap", T(16, 128, 256, 4, 3, True)),
+        ("16x64 k256 w4 s4", T(16, 64, 256, 4, 4, False)),
+        ("16x32 k256 w4 s6", T(16, 32, 256, 4, 6, False)),
+        ("32x64 k256 w4 s4 swap", T(32, 64, 256, 4, 4, True)),
+        ("64x64 k128 w4 s4 swap", T(64, 64, 128, 4, 4, True)),
+        ("64x64 k256 w4 s3 swap", T(64, 64, 256, 4, 3, True)),
+        ("64x128 k256 w4 s3 swap", T(64, 128, 256, 4, 3, True)),
+        ("64x64 k128 w4 s4", T(64, 64, 128, 4, 4, False)),
     ]
     prefill = [
-        ("64x128", TileConfig(64, 128, 128, 4, 4, False)),
-        ("128x128 w8", TileConfig(128, 128, 128, 8, 4, False)),
-        ("128x256 w8 st3", TileConfig(128, 256, 128, 8, 3, False)),
+        ("64x128 k128 w4 s3", T(64, 128, 128, 4, 3, False)),
+        ("64x128 k256 w4 s3", T(64, 128, 256, 4, 3, False)),
+        ("128x128 k128 w4 s3", T(128, 128, 128, 4, 3, False)),
+        ("128x128 k128 w8 s4", T(128, 128, 128, 8, 4, False)),
+        ("128x128 k256 w8 s3", T(128, 128, 256, 8, 3, False)),
+        ("128x256 k128 w8 s3", T(128, 256, 128, 8, 3, False)),
     ]
     return [(*c, (1, 128)) for c in decode] + [(*c, (64, ALL_M[1])) for c in prefill]
 

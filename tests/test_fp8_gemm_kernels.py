@@ -31,8 +31,10 @@ from common.model.quantization import fp8_ops as ops  # noqa: E402
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 ROOT = Path(__file__).resolve().parents[1]
-# fp32: accumulation order only. bf16: one rounding step (the interpreter truncates).
-TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+# fp32: accumulation order only; on Hopper also the tensor cores' ~14-bit FP8 accumulation
+# within each promoted run of 128 columns. bf16: one rounding step (the interpreter truncates).
+F32_TOL = 2e-3 if CUDA else 1e-4
+TOL = {torch.float32: dict(rtol=F32_TOL, atol=F32_TOL), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 SWAP_SPLIT = TileConfig(16, 32, 64, 4, 2, True, split_k=3)
 PLAIN_SPLIT = TileConfig(16, 64, 64, 4, 2, False, split_k=2)
 WIDE = TileConfig(32, 32, 64, 4, 2, False, split_k=1)

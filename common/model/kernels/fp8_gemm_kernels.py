@@ -34,11 +34,14 @@ GROUP_M = 8  # output tiles walked in groups of 8 row tiles, so neighbours share
 class TileConfig:
     block_m: int
     block_n: int
-    block_k: int  # block-scaled launches replace it by group_k (one scale group per K tile)
+    block_k: int  # K per loop iteration; block-scaled: rounded to 1 or 2 whole groups
     num_warps: int
     num_stages: int
     swap_ab: bool  # compute out.T tiles: b's rows on the MMA's M side (small M)
     split_k: int = 0  # 0: chosen by `split_k_for`
+    # K columns summed in the tensor cores' reduced FP8 accumulator before each fp32 add:
+    # Hopper keeps ~14 bits there, so whole-K accumulation drifts ~1% at K = 18944.
+    promote_k: int = 128
 
 
 # Initial table (decode M <= 64 vs prefill): guesses to be replaced by the sweep of
@@ -77,17 +80,48 @@ def split_k_for(m: int, n: int, k: int, config: TileConfig, sms: int) -> int:
 
 
 @triton.jit
+def _group_dot(a_rows, b_rows, ks, K, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, PROMOTE_K):
+    """A fresh fp32 product of one K group: [BLOCK_M, BLOCK_N], or its transpose if SWAP_AB."""
+    if EVEN_K:
+        a = tl.load(a_rows + ks[None, :])
+        b = tl.load(b_rows + ks[None, :])
+    else:
+        a = tl.load(a_rows + ks[None, :], mask=ks[None, :] < K, other=0.0)
+        b = tl.load(b_rows + ks[None, :], mask=ks[None, :] < K, other=0.0)
+    if SWAP_AB:
+        return tl.dot(b, tl.trans(a), max_num_imprecise_acc=PROMOTE_K)
+    return tl.dot(a, tl.trans(b), max_num_imprecise_acc=PROMOTE_K)
+
+
+@triton.jit
+def _group_scales(a_scale_ptr, b_scale_ptr, rm, rn, kg, kb, stride_sam, stride_sak,
+                  stride_sbn, stride_sbk, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr):  # fmt: skip
+    """sa[m, kg] * sb[n, kg] in the accumulator's orientation. A group past the end of K (the
+    second of an odd count) reads the last group's scales: its product is all zeros."""
+    if not EVEN_K:
+        kg = tl.minimum(kg, kb - 1)
+    sa = tl.load(a_scale_ptr + rm * stride_sam + kg * stride_sak)
+    sb = tl.load(b_scale_ptr + rn * stride_sbn + kg * stride_sbk)
+    if SWAP_AB:
+        return sb[:, None] * sa[None, :]
+    return sa[:, None] * sb[None, :]
+
+
+@triton.jit
 def _w8a8_kernel(
     a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr,
-    M, N, K, k_tiles_per_split,
+    M, N, K, k_iters_per_split,
     stride_am, stride_bn, stride_sam, stride_sak, stride_sbn, stride_sbk, stride_os, stride_om,
     BLOCK_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr,
-    EVEN_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr, PROMOTE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """Program (tile, split): the K tiles [split * per, (split + 1) * per) of one output tile.
-    With one split `out` is the result (scaled, bias added, cast); else a float32 [S, M, N]
-    workspace of scaled partials, bias left to the epilogue."""
+    """Program (tile, split): K iterations [split * per, (split + 1) * per) of one output tile,
+    each GROUPS * BLOCK_K columns (block-scaled: GROUPS scale groups of BLOCK_K, their products
+    issued before either is scaled, so the MMAs overlap). With one split `out` is the result
+    (scaled, bias added, cast); else a float32 [S, M, N] workspace of scaled partials, bias
+    left to the epilogue. PROMOTE_K: K columns the tensor cores accumulate in their reduced
+    FP8 precision before the sum joins the fp32 accumulator (DeepSeek-V3's promotion)."""
     pid, split = tl.program_id(0), tl.program_id(1)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * tiles_n
@@ -107,27 +141,38 @@ def _w8a8_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_lo = split * k_tiles_per_split
-    k_hi = tl.minimum(k_lo + k_tiles_per_split, tl.cdiv(K, BLOCK_K))
-    for kt in range(k_lo, k_hi):
-        ks = kt * BLOCK_K + rk
-        if EVEN_K:
-            a = tl.load(a_rows + ks[None, :])
-            b = tl.load(b_rows + ks[None, :])
-        else:
-            a = tl.load(a_rows + ks[None, :], mask=ks[None, :] < K, other=0.0)
-            b = tl.load(b_rows + ks[None, :], mask=ks[None, :] < K, other=0.0)
+    kb = tl.cdiv(K, BLOCK_K)
+    k_lo = split * k_iters_per_split
+    k_hi = tl.minimum(k_lo + k_iters_per_split, tl.cdiv(K, GROUPS * BLOCK_K))
+    for it in range(k_lo, k_hi):
+        kg = it * GROUPS
         if BLOCK_SCALED:
-            sa = tl.load(a_scale_ptr + rm_in * stride_sam + kt * stride_sak)
-            sb = tl.load(b_scale_ptr + rn_in * stride_sbn + kt * stride_sbk)
-            if SWAP_AB:
-                acc += tl.dot(b, tl.trans(a)) * (sb[:, None] * sa[None, :])
-            else:
-                acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
-        elif SWAP_AB:
-            acc = tl.dot(b, tl.trans(a), acc)
+            p0 = _group_dot(a_rows, b_rows, kg * BLOCK_K + rk, K, EVEN_K, SWAP_AB, PROMOTE_K)
+            if GROUPS == 2:
+                p1 = _group_dot(
+                    a_rows, b_rows, (kg + 1) * BLOCK_K + rk, K, EVEN_K, SWAP_AB, PROMOTE_K
+                )
+            acc += p0 * _group_scales(
+                a_scale_ptr, b_scale_ptr, rm_in, rn_in, kg, kb,
+                stride_sam, stride_sak, stride_sbn, stride_sbk, EVEN_K, SWAP_AB,
+            )  # fmt: skip
+            if GROUPS == 2:
+                acc += p1 * _group_scales(
+                    a_scale_ptr, b_scale_ptr, rm_in, rn_in, kg + 1, kb,
+                    stride_sam, stride_sak, stride_sbn, stride_sbk, EVEN_K, SWAP_AB,
+                )  # fmt: skip
         else:
-            acc = tl.dot(a, tl.trans(b), acc)
+            ks = kg * BLOCK_K + rk
+            if EVEN_K:
+                a = tl.load(a_rows + ks[None, :])
+                b = tl.load(b_rows + ks[None, :])
+            else:
+                a = tl.load(a_rows + ks[None, :], mask=ks[None, :] < K, other=0.0)
+                b = tl.load(b_rows + ks[None, :], mask=ks[None, :] < K, other=0.0)
+            if SWAP_AB:
+                acc = tl.dot(b, tl.trans(a), acc, max_num_imprecise_acc=PROMOTE_K)
+            else:
+                acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PROMOTE_K)
     if not BLOCK_SCALED:
         sa = tl.load(a_scale_ptr + rm_in * stride_sam)
         sb = tl.load(b_scale_ptr + rn_in * stride_sbn)
@@ -198,9 +243,11 @@ def w8a8_block_mm(
             f"group_k={group_k}; got {tuple(a_scale.shape)} and {tuple(b_scale.shape)}"
         )
     _check_scale_dtypes(a_scale, b_scale)
-    config = dataclasses.replace(config or pick_config(m), block_k=group_k)
+    config = config or pick_config(m)
+    groups = 2 if config.block_k >= 2 * group_k else 1
+    config = dataclasses.replace(config, block_k=groups * group_k)
     scales = (a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1))
-    return _launch(a, a_scale, b, b_scale, scales, True, out_dtype, bias, config)
+    return _launch(a, a_scale, b, b_scale, scales, groups, out_dtype, bias, config)
 
 
 def w8a8_channel_mm(
@@ -221,7 +268,7 @@ def w8a8_channel_mm(
     )
     _check_scale_dtypes(a_scale, b_scale)
     scales = (a_stride, 0, b_stride, 0)
-    return _launch(a, a_scale, b, b_scale, scales, False, out_dtype, bias, config or pick_config(m))
+    return _launch(a, a_scale, b, b_scale, scales, 0, out_dtype, bias, config or pick_config(m))
 
 
 def scale_epilogue(
@@ -281,9 +328,10 @@ def _vector_scale_stride(scale: torch.Tensor, size: int, name: str) -> int:
     return scale.stride(0)
 
 
-def _launch(a, a_scale, b, b_scale, scale_strides, block_scaled, out_dtype, bias, config):
+def _launch(a, a_scale, b, b_scale, scale_strides, groups, out_dtype, bias, config):
     """Runs the GEMM kernel with one split (out written directly) or several (partials, then
-    the epilogue sums them and adds the bias)."""
+    the epilogue sums them and adds the bias). `groups`: scale groups per K iteration of a
+    block-scaled launch (config.block_k spans them), 0 for per-channel scales."""
     if a.stride(1) != 1:
         a = a.contiguous()
     if b.stride(1) != 1:
@@ -293,18 +341,20 @@ def _launch(a, a_scale, b, b_scale, scale_strides, block_scaled, out_dtype, bias
     if m == 0 or n == 0:
         return out
     splits = split_k_for(m, n, k, config, _sm_count(a.device))
-    k_tiles = triton.cdiv(k, config.block_k)
-    per_split = triton.cdiv(k_tiles, splits)
-    splits = triton.cdiv(k_tiles, per_split)  # no split left without K tiles
+    k_iters = triton.cdiv(k, config.block_k)
+    per_split = triton.cdiv(k_iters, splits)
+    splits = triton.cdiv(k_iters, per_split)  # no split left without K iterations
     target = out if splits == 1 else torch.empty(splits, m, n, device=a.device)
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    block_k = config.block_k // max(groups, 1)  # one dot's K
     _w8a8_kernel[(tiles, splits)](
         a, b, a_scale, b_scale, bias if bias is not None and splits == 1 else out, target,
         m, n, k, per_split,
         a.stride(0), b.stride(0), *scale_strides, m * n, n,
-        BLOCK_SCALED=block_scaled, HAS_BIAS=bias is not None and splits == 1,
+        BLOCK_SCALED=groups > 0, HAS_BIAS=bias is not None and splits == 1,
         SWAP_AB=config.swap_ab, EVEN_K=k % config.block_k == 0, GROUP_M=GROUP_M,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        GROUPS=max(groups, 1), PROMOTE_K=min(config.promote_k, block_k),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if splits > 1:
