@@ -22,6 +22,7 @@ Candidates (each skippable: a failure is reported and the others go on):
   triton_block  Triton block-scaled kernel, 1x128 activations x 128x128 weights
   block_mm      _scaled_mm with the same block scales, if this torch and GPU take them
   dispatch      fp8_linear with per-token x per-channel scales: what the model runs at this M
+  block_disp    block_fp8_linear_cuda given the block scales: the block-scaled choice at M
 Every output is checked against the dequantizing reference of its own quantized operands
 (bf16: the float32 product); max |out - ref| / max |ref| beyond --tol fails the run (exit 1)
 after the table is printed. --sweep adds Triton tile-config variants to the JSON detail.
@@ -184,6 +185,9 @@ def candidates(sweep: bool) -> dict[str, Candidate]:
             x.token, x.token_scale, w.channel[i], w.channel_scale, out, w.bias
         )
 
+    def cublas_block(xq, xs, wq, rows, group, out, bias, w_block_scales):
+        return gemm.block_scaled_mm_linear(xq, xs, wq, w_block_scales, out, bias)
+
     ref_tensor = functools.partial(tensor(gemm.reference_linear, F32), i=0)
     ref_channel = functools.partial(channel(gemm.reference_linear, F32), i=0)
     table = {
@@ -193,8 +197,9 @@ def candidates(sweep: bool) -> dict[str, Candidate]:
         "triton_chan": Candidate(channel(kern.w8a8_channel_mm), ref_channel),
         "unit_mm_epi": Candidate(channel(gemm.unit_scale_mm_linear), ref_channel),
         "triton_block": Candidate(triton_block(kern.w8a8_block_mm, None), ref_block),
-        "block_mm": Candidate(block_scaled_mm, ref_block),
+        "block_mm": Candidate(block_scaled_mm(cublas_block), ref_block),
         "dispatch": Candidate(channel(gemm.fp8_linear), ref_channel),
+        "block_disp": Candidate(block_scaled_mm(gemm.block_fp8_linear_cuda), ref_block),
     }
     for label, config, m_range in sweep_configs() if sweep else []:
         chan = functools.partial(kern.w8a8_channel_mm, config=config)
@@ -234,6 +239,8 @@ def sweep_configs() -> list[tuple[str, object, tuple[int, int]]]:
         ("16x64 k256 w4 s4 swap 1split", T(16, 64, 256, 4, 4, True, 1)),
         ("16x128 k256 w4 s3 swap", T(16, 128, 256, 4, 3, True)),
         ("16x64 k256 w4 s4", T(16, 64, 256, 4, 4, False)),
+        ("16x64 k256 w4 s6", T(16, 64, 256, 4, 6, False)),
+        ("16x128 k256 w4 s4", T(16, 128, 256, 4, 4, False)),
         ("16x32 k256 w4 s6", T(16, 32, 256, 4, 6, False)),
         ("32x64 k256 w4 s4 swap", T(32, 64, 256, 4, 4, True)),
         ("64x64 k128 w4 s4 swap", T(64, 64, 128, 4, 4, True)),
@@ -252,22 +259,12 @@ def sweep_configs() -> list[tuple[str, object, tuple[int, int]]]:
     return [(*c, (1, 128)) for c in decode] + [(*c, (64, 2048)) for c in prefill]
 
 
-def block_scaled_mm(w: Weights, x: Inputs, i: int) -> torch.Tensor:
-    """torch._scaled_mm with 1x128 activation and 128x128 weight scales (cuBLASLt, sm90, CUDA
-    >= 12.9). Layouts as torch's tests give them: activation scales M-major; weight scales
-    [KB padded to 4, N / 128], K-block-major; M padded to a multiple of 4 (cuBLASLt)."""
-    m, k = x.group.shape
-    xq, xs = x.group, x.group_scale
-    if m % 4:
-        xq = F.pad(xq.view(torch.uint8), (0, 0, 0, 4 - m % 4)).view(xq.dtype)
-        xs = F.pad(xs, (0, 0, 0, 4 - m % 4), value=1.0)
-    kb = xs.shape[1]
-    ws = F.pad(w.block_scale, (0, -kb % 4), value=1.0).t()
-    out = torch._scaled_mm(
-        xq, w.block[i].t(), scale_a=xs.t().contiguous().t(), scale_b=ws, out_dtype=OUT
-    )
-    out = out[:m]
-    return out if w.bias is None else out + w.bias
+def block_scaled_mm(fn) -> Run:
+    def run(w: Weights, x: Inputs, i: int) -> torch.Tensor:
+        scales = (x.group_scale, w.block[i], w.block_scale_rows, BLOCK)
+        return fn(x.group, *scales, OUT, w.bias, w_block_scales=w.block_scale)
+
+    return run
 
 
 class Timer:

@@ -135,12 +135,12 @@ def test_scale_epilogue_applies_row_and_column_scales_and_bias():
 
 
 def test_split_k_grows_only_where_output_tiles_leave_sms_idle():
-    decode = kern.pick_config(1)
+    decode = kern.pick_config(1, block_scaled=False)
     assert kern.split_k_for(1, 4608, 3584, decode, 132) > 1  # 72 tiles on 132 SMs
     assert kern.split_k_for(1, 37888, 3584, decode, 132) == 1  # 592 tiles
-    assert kern.split_k_for(64, 4608, 3584, kern.pick_config(64), 132) == 1  # partials too big
+    m64 = kern.pick_config(64, block_scaled=False)
+    assert kern.split_k_for(64, 4608, 3584, m64, 132) == 1  # partials too big
     assert kern.split_k_for(1, 64, 512, decode, 132) == 1  # 2 K tiles: nothing to split
-    assert kern.pick_config(1).swap_ab and not kern.pick_config(4096).swap_ab
 
 
 def test_bad_operands_are_refused_naming_the_values():
@@ -166,6 +166,15 @@ def test_fp8_linear_dispatch_matches_the_reference_at_every_m(m):
     assert_matches(fp8_gemm.fp8_linear(*args, torch.bfloat16, b), ref, torch.bfloat16)
     unit = fp8_gemm.unit_scale_mm_linear(*args, torch.bfloat16, b)
     assert_matches(unit, ref, torch.bfloat16)
+
+
+@pytest.mark.skipif(not CUDA, reason="cuBLASLt's block-scaled GEMM runs on CUDA only")
+@pytest.mark.parametrize("m", [3, 130, 256])
+def test_block_dispatch_with_block_scales_matches_the_reference(m):
+    (xq, xs, wq, rows, g), b, ref = block_case(m, 384, 640, True)
+    _, blocks = ops.quantize_weight_blocks(operands(m, 384, 640, True)[1], (g, g))
+    out = fp8_gemm.block_fp8_linear_cuda(xq, xs, wq, rows, g, torch.bfloat16, b, blocks)
+    assert_matches(out, ref, torch.bfloat16)
 
 
 def test_benchmark_smoke_run_checks_every_triton_candidate(tmp_path):

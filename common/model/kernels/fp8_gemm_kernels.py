@@ -12,7 +12,7 @@ stored, row-major: each tile of b is K-major, the layout Hopper's FP8 MMA wants)
 need not be multiples of the tiles. Small M swaps the operands (b's rows fill the MMA's
 64-row side instead of padding M to 64) and splits K over several programs when the output
 tiles alone leave SMs idle; split partials go to a float32 workspace that `_epilogue_kernel`
-sums in a fixed order (deterministic, no atomics). Tile configs come from a table on M, never
+sums in a fixed order (deterministic, no atomics). Tile configs come from tables on M, never
 from autotuning, since CUDA graphs capture these launches.
 """
 
@@ -44,20 +44,30 @@ class TileConfig:
     promote_k: int = 128
 
 
-# Initial table (decode M <= 64 vs prefill): guesses to be replaced by the sweep of
-# benchmarks/bench_fp8_linear.py on an H200. Keys are the largest M of each bucket.
-CONFIGS: tuple[tuple[int, TileConfig], ...] = (
+# By M bucket (the key is its largest M), from benchmarks/bench_fp8_linear.py --sweep on one
+# H200 over the Qwen2.5-7B and Qwen3-8B linears (graph-replayed GEMM time).
+CHANNEL_CONFIGS: tuple[tuple[int, TileConfig], ...] = (
     (16, TileConfig(16, 64, 256, 4, 4, True)),
     (32, TileConfig(32, 64, 256, 4, 4, True)),
     (64, TileConfig(64, 64, 128, 4, 4, True)),
-    (128, TileConfig(64, 128, 128, 4, 4, False)),
-    (1 << 62, TileConfig(128, 128, 128, 8, 4, False)),
+    (128, TileConfig(64, 64, 128, 4, 4, False)),
+    (512, TileConfig(64, 128, 128, 4, 3, False)),
+    (1 << 62, TileConfig(128, 128, 128, 4, 3, False)),
+)
+# Block-scaled: each group's product is scaled before it joins the accumulator, so the MMAs
+# cannot chain; beyond M = 64 cuBLASLt's block-scaled GEMM is ~2.5x faster where it applies
+# (`fp8_gemm.block_fp8_linear_cuda`), and these tiles are the fallback.
+BLOCK_CONFIGS: tuple[tuple[int, TileConfig], ...] = (
+    (32, TileConfig(16, 64, 256, 4, 4, False)),
+    (64, TileConfig(64, 64, 128, 4, 4, True)),
+    (1 << 62, TileConfig(64, 128, 128, 4, 3, False)),
 )
 MAX_SPLIT_K = 16
 
 
-def pick_config(m: int) -> TileConfig:
-    return next(config for top, config in CONFIGS if m <= top)
+def pick_config(m: int, block_scaled: bool) -> TileConfig:
+    table = BLOCK_CONFIGS if block_scaled else CHANNEL_CONFIGS
+    return next(config for top, config in table if m <= top)
 
 
 @functools.cache
@@ -88,9 +98,12 @@ def _group_dot(a_rows, b_rows, ks, K, EVEN_K: tl.constexpr, SWAP_AB: tl.constexp
     else:
         a = tl.load(a_rows + ks[None, :], mask=ks[None, :] < K, other=0.0)
         b = tl.load(b_rows + ks[None, :], mask=ks[None, :] < K, other=0.0)
+    # One return: Triton checks every return's type, constexpr branches included.
     if SWAP_AB:
-        return tl.dot(b, tl.trans(a), max_num_imprecise_acc=PROMOTE_K)
-    return tl.dot(a, tl.trans(b), max_num_imprecise_acc=PROMOTE_K)
+        product = tl.dot(b, tl.trans(a), max_num_imprecise_acc=PROMOTE_K)
+    else:
+        product = tl.dot(a, tl.trans(b), max_num_imprecise_acc=PROMOTE_K)
+    return product
 
 
 @triton.jit
@@ -103,8 +116,10 @@ def _group_scales(a_scale_ptr, b_scale_ptr, rm, rn, kg, kb, stride_sam, stride_s
     sa = tl.load(a_scale_ptr + rm * stride_sam + kg * stride_sak)
     sb = tl.load(b_scale_ptr + rn * stride_sbn + kg * stride_sbk)
     if SWAP_AB:
-        return sb[:, None] * sa[None, :]
-    return sa[:, None] * sb[None, :]
+        scale = sb[:, None] * sa[None, :]
+    else:
+        scale = sa[:, None] * sb[None, :]
+    return scale
 
 
 @triton.jit
@@ -243,7 +258,7 @@ def w8a8_block_mm(
             f"group_k={group_k}; got {tuple(a_scale.shape)} and {tuple(b_scale.shape)}"
         )
     _check_scale_dtypes(a_scale, b_scale)
-    config = config or pick_config(m)
+    config = config or pick_config(m, block_scaled=True)
     groups = 2 if config.block_k >= 2 * group_k else 1
     config = dataclasses.replace(config, block_k=groups * group_k)
     scales = (a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1))
@@ -268,7 +283,8 @@ def w8a8_channel_mm(
     )
     _check_scale_dtypes(a_scale, b_scale)
     scales = (a_stride, 0, b_stride, 0)
-    return _launch(a, a_scale, b, b_scale, scales, 0, out_dtype, bias, config or pick_config(m))
+    config = config or pick_config(m, block_scaled=False)
+    return _launch(a, a_scale, b, b_scale, scales, 0, out_dtype, bias, config)
 
 
 def scale_epilogue(

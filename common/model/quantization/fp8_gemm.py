@@ -13,12 +13,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Row-wise scales (x per token, w per channel) by M, from benchmarks/bench_fp8_linear.py on one
-# H200 (GEMM time alone): the Triton kernel up to TRITON_MAX_M, where row-wise `_scaled_mm`
-# measured slower than bf16; unit-scale `_scaled_mm` + a Triton scale epilogue up to
-# EPILOGUE_MAX_M (equal: never); row-wise `_scaled_mm` above. Placeholders until that run.
-TRITON_MAX_M = 128
+# Thresholds on M from benchmarks/bench_fp8_linear.py on one H200 (graph-replayed GEMM time,
+# Qwen2.5-7B and Qwen3-8B linears; speedups over bf16 summed over a model's linears).
+# Row-wise scales: the Triton kernel up to TRITON_MAX_M (1.46-1.67x, where row-wise
+# `_scaled_mm` gave 0.90-1.11x); unit-scale `_scaled_mm` + Triton epilogue up to
+# EPILOGUE_MAX_M (1.39-1.44x at 128, against 1.11-1.26x); row-wise `_scaled_mm` above (from
+# 256 within noise of the epilogue path, 1.62-1.72x at 2048-8192).
+TRITON_MAX_M = 64
 EPILOGUE_MAX_M = 128
+# Block-scaled: the Triton kernel up to BLOCK_TRITON_MAX_M (1.3-1.44x at M <= 8, on a par with
+# cuBLASLt at 32-64); cuBLASLt's block-scaled `_scaled_mm` above (1.41-1.63x from 512, where
+# the Triton kernel falls to 0.5-0.75x), when the caller can give it the block scales.
+BLOCK_TRITON_MAX_M = 64
 
 
 def fp8_linear(
@@ -53,15 +59,40 @@ def block_fp8_linear_cuda(
     group_k: int,
     out_dtype: torch.dtype,
     bias: torch.Tensor | None,
+    w_block_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`block_fp8_linear` on CUDA: xq FP8 [M, K] with x_scale [M, KB] (per token and group_k
     columns), weight FP8 [N, K] with w_scale_rows [N, KB] (each row's block scales), KB =
-    ceil(K / group_k); the Triton block-scaled GEMM at every M."""
+    ceil(K / group_k). `w_block_scales`, the [ceil(N / 128), KB] block scales, may be given
+    only when output row i uses block row i // 128 (every fused shard but the last a multiple
+    of 128 rows); above BLOCK_TRITON_MAX_M it selects cuBLASLt's block-scaled GEMM."""
+    m, k, n = xq.shape[0], xq.shape[1], weight.shape[0]
+    cublas_shape = group_k == 128 and k % 128 == 0 and n % 16 == 0
+    if w_block_scales is not None and m > BLOCK_TRITON_MAX_M and cublas_shape:
+        return block_scaled_mm_linear(xq, x_scale, weight, w_block_scales, out_dtype, bias)
     from common.model.kernels import fp8_gemm_kernels
 
     return fp8_gemm_kernels.w8a8_block_mm(
         xq, x_scale, weight, w_scale_rows, group_k, out_dtype, bias
     )
+
+
+def block_scaled_mm_linear(xq, x_scale, weight, w_block_scales, out_dtype, bias):
+    """cuBLASLt's DeepSeek-style GEMM (sm90, CUDA >= 12.9): 1 x 128 activation scales
+    [M, KB] and 128 x 128 weight scales [NB, KB]. The layouts torch 2.11 reads: activation
+    scales M-major, weight scales [KB rounded up to 4, NB] K-block-major; M a multiple of 4
+    (padded here). Outputs bfloat16 or float32 (fp16 goes through bfloat16)."""
+    m, kb = x_scale.shape
+    if m % 4:
+        pad = 4 - m % 4
+        xq = F.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(xq.dtype)
+        x_scale = F.pad(x_scale, (0, 0, 0, pad), value=1.0)
+    scale_b = F.pad(w_block_scales, (0, -kb % 4), value=1.0).t()
+    mm_dtype = torch.float32 if out_dtype == torch.float32 else torch.bfloat16
+    out = torch._scaled_mm(
+        xq, weight.t(), scale_a=x_scale.t().contiguous().t(), scale_b=scale_b, out_dtype=mm_dtype
+    )[:m]
+    return (out if bias is None else out + bias).to(out_dtype)
 
 
 def scaled_mm_linear(xq, x_scale, weight, w_scale, out_dtype, bias):
@@ -80,8 +111,8 @@ def scaled_mm_linear(xq, x_scale, weight, w_scale, out_dtype, bias):
         scale_b = w_scale.reshape(1, -1).expand(1, n).contiguous()
         out = torch._scaled_mm(
             xq, weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16
-        ).to(out_dtype)
-    return out if bias is None else out + bias
+        )
+    return (out if bias is None else out + bias).to(out_dtype)  # a float32 bias promotes
 
 
 def unit_scale_mm_linear(xq, x_scale, weight, w_scale, out_dtype, bias):
