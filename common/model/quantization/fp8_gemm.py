@@ -80,14 +80,15 @@ def block_fp8_linear_cuda(
 def block_scaled_mm_linear(xq, x_scale, weight, w_block_scales, out_dtype, bias):
     """cuBLASLt's DeepSeek-style GEMM (sm90, CUDA >= 12.9): 1 x 128 activation scales
     [M, KB] and 128 x 128 weight scales [NB, KB]. The layouts torch 2.11 reads: activation
-    scales M-major, weight scales [KB rounded up to 4, NB] K-block-major; M a multiple of 4
-    (padded here). Outputs bfloat16 or float32 (fp16 goes through bfloat16)."""
+    scales M-major, weight scales [KB, NB] K-block-major, every column stride a multiple of
+    16 bytes (M padded here to a multiple of 4, KB's stride rounded up to 4). Outputs bfloat16
+    or float32 (fp16 goes through bfloat16)."""
     m, kb = x_scale.shape
     if m % 4:
         pad = 4 - m % 4
         xq = F.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(xq.dtype)
         x_scale = F.pad(x_scale, (0, 0, 0, pad), value=1.0)
-    scale_b = F.pad(w_block_scales, (0, -kb % 4), value=1.0).t()
+    scale_b = F.pad(w_block_scales, (0, -kb % 4))[:, :kb].t()  # column stride 16-byte aligned
     mm_dtype = torch.float32 if out_dtype == torch.float32 else torch.bfloat16
     out = torch._scaled_mm(
         xq, weight.t(), scale_a=x_scale.t().contiguous().t(), scale_b=scale_b, out_dtype=mm_dtype
