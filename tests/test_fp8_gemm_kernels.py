@@ -171,8 +171,8 @@ def test_fp8_linear_dispatch_matches_the_reference_at_every_m(m):
 @pytest.mark.skipif(not CUDA, reason="cuBLASLt's block-scaled GEMM runs on CUDA only")
 @pytest.mark.parametrize("m", [3, 130, 256])
 def test_block_dispatch_with_block_scales_matches_the_reference(m):
-    (xq, xs, wq, rows, g), b, ref = block_case(m, 384, 640, True)
-    _, blocks = ops.quantize_weight_blocks(operands(m, 384, 640, True)[1], (g, g))
+    (xq, xs, wq, rows, g), b, ref = block_case(m, 384, 1024, True)
+    _, blocks = ops.quantize_weight_blocks(operands(m, 384, 1024, True)[1], (g, g))
     out = fp8_gemm.block_fp8_linear_cuda(xq, xs, wq, rows, g, torch.bfloat16, b, blocks)
     assert_matches(out, ref, torch.bfloat16)
 

@@ -58,7 +58,8 @@ CHANNEL_CONFIGS: tuple[tuple[int, TileConfig], ...] = (
 # cannot chain; beyond M = 64 cuBLASLt's block-scaled GEMM is ~2.5x faster where it applies
 # (`fp8_gemm.block_fp8_linear_cuda`), and these tiles are the fallback.
 BLOCK_CONFIGS: tuple[tuple[int, TileConfig], ...] = (
-    (32, TileConfig(16, 64, 256, 4, 4, False)),
+    (16, TileConfig(16, 64, 256, 4, 4, False)),
+    (32, TileConfig(32, 64, 256, 4, 4, True)),
     (64, TileConfig(64, 64, 128, 4, 4, True)),
     (1 << 62, TileConfig(64, 128, 128, 4, 3, False)),
 )

@@ -21,9 +21,10 @@ import torch.nn.functional as F
 # 256 within noise of the epilogue path, 1.62-1.72x at 2048-8192).
 TRITON_MAX_M = 64
 EPILOGUE_MAX_M = 128
-# Block-scaled: the Triton kernel up to BLOCK_TRITON_MAX_M (1.3-1.44x at M <= 8, on a par with
-# cuBLASLt at 32-64); cuBLASLt's block-scaled `_scaled_mm` above (1.41-1.63x from 512, where
-# the Triton kernel falls to 0.5-0.75x), when the caller can give it the block scales.
+# Block-scaled: the Triton kernel up to BLOCK_TRITON_MAX_M (1.21-1.44x at M <= 8, where
+# cuBLASLt gives 0.94-1.17x; on a par at 32-64); cuBLASLt's block-scaled `_scaled_mm` above
+# (0.98-1.06x at 128, 1.4-1.63x from 512, where the Triton kernel gives 0.55-0.78x), when the
+# caller can give it the block scales.
 BLOCK_TRITON_MAX_M = 64
 
 
@@ -67,7 +68,9 @@ def block_fp8_linear_cuda(
     only when output row i uses block row i // 128 (every fused shard but the last a multiple
     of 128 rows); above BLOCK_TRITON_MAX_M it selects cuBLASLt's block-scaled GEMM."""
     m, k, n = xq.shape[0], xq.shape[1], weight.shape[0]
-    cublas_shape = group_k == 128 and k % 128 == 0 and n % 16 == 0
+    # K in whole groups of 4 blocks: the only case torch 2.11 took (KB = 5 was refused for
+    # every weight-scale stride tried).
+    cublas_shape = group_k == 128 and k % 512 == 0 and n % 16 == 0
     if w_block_scales is not None and m > BLOCK_TRITON_MAX_M and cublas_shape:
         return block_scaled_mm_linear(xq, x_scale, weight, w_block_scales, out_dtype, bias)
     from common.model.kernels import fp8_gemm_kernels
@@ -79,16 +82,15 @@ def block_fp8_linear_cuda(
 
 def block_scaled_mm_linear(xq, x_scale, weight, w_block_scales, out_dtype, bias):
     """cuBLASLt's DeepSeek-style GEMM (sm90, CUDA >= 12.9): 1 x 128 activation scales
-    [M, KB] and 128 x 128 weight scales [NB, KB]. The layouts torch 2.11 reads: activation
-    scales M-major, weight scales [KB, NB] K-block-major, every column stride a multiple of
-    16 bytes (M padded here to a multiple of 4, KB's stride rounded up to 4). Outputs bfloat16
-    or float32 (fp16 goes through bfloat16)."""
-    m, kb = x_scale.shape
+    [M, KB] and 128 x 128 weight scales [NB, KB], KB a multiple of 4. The layouts torch 2.11
+    reads: activation scales M-major (M padded here to a multiple of 4), weight scales
+    [KB, NB] K-block-major. Outputs bfloat16 or float32 (fp16 goes through bfloat16)."""
+    m = x_scale.shape[0]
     if m % 4:
         pad = 4 - m % 4
         xq = F.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(xq.dtype)
         x_scale = F.pad(x_scale, (0, 0, 0, pad), value=1.0)
-    scale_b = F.pad(w_block_scales, (0, -kb % 4))[:, :kb].t()  # column stride 16-byte aligned
+    scale_b = w_block_scales.t()
     mm_dtype = torch.float32 if out_dtype == torch.float32 else torch.bfloat16
     out = torch._scaled_mm(
         xq, weight.t(), scale_a=x_scale.t().contiguous().t(), scale_b=scale_b, out_dtype=mm_dtype
