@@ -157,6 +157,8 @@ def test_bad_operands_are_refused_naming_the_values():
         kern.w8a8_channel_mm(xq, xs[:, :1], wq, rows[:5, 0], torch.float32)
     with pytest.raises(ValueError, match=r"out_dtype"):
         kern.w8a8_channel_mm(xq, xs[:, :1], wq, rows[:, 0], torch.int32)
+    with pytest.raises(ValueError, match=r"K blocks in multiples of 4, got 2"):
+        fp8_gemm.block_scaled_mm_linear(xq, xs, wq, rows[:1], torch.bfloat16, None)
 
 
 @pytest.mark.skipif(not CUDA, reason="fp8_linear dispatches on CUDA only")

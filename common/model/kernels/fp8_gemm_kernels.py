@@ -2,8 +2,9 @@
 
 One kernel, two scale layouts (a constexpr):
 - block (DeepSeek-V3): a's scales per token and `group_k` columns, [M, KB]; b's per output row
-  and K block, [N, KB] (128 x 128 weight blocks expanded over rows by the caller). A K tile is
-  one group, so each tile's product is scaled before it joins the accumulator.
+  and K block, [N, KB] (128 x 128 weight blocks expanded over rows by the caller). A K
+  iteration covers one or two groups, each group's product scaled before it joins the
+  accumulator.
 - channel: a's scale per token ([M, 1], [M] or a scalar), b's per output row ([N] or a scalar),
   applied once to the finished accumulator.
 
@@ -55,7 +56,7 @@ CHANNEL_CONFIGS: tuple[tuple[int, TileConfig], ...] = (
     (1 << 62, TileConfig(128, 128, 128, 4, 3, False)),
 )
 # Block-scaled: each group's product is scaled before it joins the accumulator, so the MMAs
-# cannot chain; beyond M = 64 cuBLASLt's block-scaled GEMM is ~2.5x faster where it applies
+# cannot chain; beyond M = 64 cuBLASLt's block-scaled GEMM is about 2x faster where it applies
 # (`fp8_gemm.block_fp8_linear_cuda`), and these tiles are the fallback.
 BLOCK_CONFIGS: tuple[tuple[int, TileConfig], ...] = (
     (16, TileConfig(16, 64, 256, 4, 4, False)),

@@ -68,8 +68,7 @@ def block_fp8_linear_cuda(
     only when output row i uses block row i // 128 (every fused shard but the last a multiple
     of 128 rows); above BLOCK_TRITON_MAX_M it selects cuBLASLt's block-scaled GEMM."""
     m, k, n = xq.shape[0], xq.shape[1], weight.shape[0]
-    # K in whole groups of 4 blocks: the only case torch 2.11 took (KB = 5 was refused for
-    # every weight-scale stride tried).
+    # K in whole groups of 4 blocks: the only layout torch 2.11 computes right.
     cublas_shape = group_k == 128 and k % 512 == 0 and n % 16 == 0
     if w_block_scales is not None and m > BLOCK_TRITON_MAX_M and cublas_shape:
         return block_scaled_mm_linear(xq, x_scale, weight, w_block_scales, out_dtype, bias)
@@ -84,8 +83,12 @@ def block_scaled_mm_linear(xq, x_scale, weight, w_block_scales, out_dtype, bias)
     """cuBLASLt's DeepSeek-style GEMM (sm90, CUDA >= 12.9): 1 x 128 activation scales
     [M, KB] and 128 x 128 weight scales [NB, KB], KB a multiple of 4. The layouts torch 2.11
     reads: activation scales M-major (M padded here to a multiple of 4), weight scales
-    [KB, NB] K-block-major. Outputs bfloat16 or float32 (fp16 goes through bfloat16)."""
-    m = x_scale.shape[0]
+    [KB, NB] K-block-major. Outputs bfloat16 or float32 (fp16 goes through bfloat16). With KB
+    not a multiple of 4 torch 2.11 either refuses the scales or, given them unpadded,
+    returns wrong numbers (seen on an H200), hence the ValueError."""
+    m, kb = x_scale.shape
+    if kb % 4:
+        raise ValueError(f"cuBLASLt block scales need K blocks in multiples of 4, got {kb}")
     if m % 4:
         pad = 4 - m % 4
         xq = F.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(xq.dtype)
