@@ -185,12 +185,19 @@ class Fp8BlockMethod(Fp8LinearMethod):
         setattr(layer, self.config.scale_name, _param(torch.cat(scales)))
 
     def finish(self, layer):
-        rows = getattr(layer, self.config.scale_name).data[layer.row_block].contiguous()
+        blocks = getattr(layer, self.config.scale_name).data
+        rows = blocks[layer.row_block].contiguous()
         layer.register_buffer("weight_scale_rows", rows, persistent=False)
+        # cuBLASLt's block-scaled GEMM reads the [N/128, KB] block table itself, which holds
+        # only when output row i sits in block row i // 128 (no fused shard ends mid-block).
+        index = torch.arange(len(rows), device=blocks.device) // self.config.block[0]
+        aligned = bool((layer.row_block == index).all())
+        layer.register_buffer("weight_block_scales", blocks if aligned else None, persistent=False)
 
     def input_quant(self, layer):
         return ActivationQuant("group", group=self.config.block[1])
 
     def matmul(self, layer, xq, x_scale, out_dtype, bias):
         w, w_scale, bk = layer.weight, layer.weight_scale_rows, self.config.block[1]
-        return block_fp8_linear(xq, x_scale, w, w_scale, bk, out_dtype, bias)
+        blocks = layer.weight_block_scales
+        return block_fp8_linear(xq, x_scale, w, w_scale, bk, out_dtype, bias, blocks)

@@ -150,13 +150,18 @@ def block_fp8_linear(
     group_k: int,
     out_dtype: torch.dtype,
     bias: torch.Tensor | None,
+    w_block_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Block-scaled FP8 GEMM: xq FP8 [M, K] with x_scale float32 [M, KB] (one per token and
     `group_k` columns, KB = ceil(K / group_k)); weight FP8 [N, K] with w_scale_rows float32
-    [N, KB] (each output row's block scales) -> [M, N] in `out_dtype`."""
+    [N, KB] (each output row's block scales) -> [M, N] in `out_dtype`. `w_block_scales`: see
+    `block_fp8_linear_cuda`; the reference does not need them."""
+    if xq.is_cuda:
+        return block_fp8_linear_cuda(
+            xq, x_scale, weight, w_scale_rows, group_k, out_dtype, bias, w_block_scales
+        )
     from common.model.quantization.fp8_ops import expand_groups
 
     k = xq.shape[-1]
-    # CUDA takes the dequantizing path too until the Triton block-scaled GEMM replaces it.
     x_scale, w_scale = expand_groups(x_scale, group_k, k), expand_groups(w_scale_rows, group_k, k)
     return reference_linear(xq, x_scale, weight, w_scale, out_dtype, bias)
