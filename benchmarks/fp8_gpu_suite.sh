@@ -17,6 +17,8 @@
 #   SMOKE=1: on a CPU machine, every step at tiny sizes (the embedded model, a tiny Qwen3 config,
 #            zmq between CPU pools): a typo check, not a measurement
 #   KV=auto: the "FP8" engine runs keep a bf16 KV cache (FP8 weights only)
+#   PARTS="q7 q3 transfer w8": a subset, for a call's 10-minute limit (default all); every
+#            JSON reaches $OUT as soon as its step ends, so a killed call keeps what finished
 set -uo pipefail
 OUT=${OUT:-benchmarks/results/fp8}
 PY=${PYTHON:-python3}
@@ -51,6 +53,7 @@ step() {  # step NAME COMMAND...: its output in $RUN/NAME.log, the tail printed
   timeout "$STEP_S" "$@" >"$RUN/$name.log" 2>&1
   local rc=$?
   grep -v "Warning\|warn(" "$RUN/$name.log" | tail -14
+  cp "$RUN"/*.json "$OUT"/ 2>/dev/null
   if [ $rc != 0 ]; then
     echo "   $name FAILED (exit $rc)"
     status=1
@@ -75,13 +78,23 @@ $PY benchmarks/fp8_config.py "$q3" "$WORK/qwen3-8b-fp8-block" "${tiny[@]}" >/dev
 q3_bf16=(--model "$WORK/qwen3-8b" --parts decode prefill)
 q3_fp8=(--model "$WORK/qwen3-8b-fp8-block" --parts decode prefill)
 
-engine q7_bf16
-engine q7_fp8 "${FP8[@]}" --kernel-profile
-engine q3_bf16 "${q3_bf16[@]}"
-engine q3_fp8 "${q3_fp8[@]}" "${FP8[@]}" --kernel-profile
-transfer bf16 --sizes-mb "${sizes[@]}"
-transfer fp8 --sizes-mb "${sizes_fp8[@]}" --kv-cache-dtype fp8
-if [ "$SECONDS" -lt "${W8_BEFORE_S:-400}" ] || [ "${SMOKE:-0}" = 1 ]; then
+PARTS=" ${PARTS:-q7 q3 transfer w8} "
+want() { [[ "$PARTS" == *" $1 "* ]]; }
+if want q7; then
+  engine q7_bf16
+  engine q7_fp8 "${FP8[@]}" --kernel-profile
+fi
+if want q3; then
+  engine q3_bf16 "${q3_bf16[@]}"
+  engine q3_fp8 "${q3_fp8[@]}" "${FP8[@]}" --kernel-profile
+fi
+if want transfer; then
+  transfer bf16 --sizes-mb "${sizes[@]}"
+  transfer fp8 --sizes-mb "${sizes_fp8[@]}" --kv-cache-dtype fp8
+fi
+if ! want w8; then
+  :
+elif [ "$SECONDS" -lt "${W8_BEFORE_S:-400}" ] || [ "${SMOKE:-0}" = 1 ]; then
   engine q7_w8 --quantization fp8 --parts decode prefill
 else
   echo "=== q7_w8 skipped: ${SECONDS}s spent"
