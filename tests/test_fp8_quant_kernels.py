@@ -56,9 +56,9 @@ def assert_bit_equal(got: Fp8Activation, want: Fp8Activation) -> None:
 
 
 def assert_an_ulp_apart(got: Fp8Activation, want: Fp8Activation) -> None:
-    """Scales at most an ulp apart, FP8 codes at most one step (adjacent codes of one sign
-    are adjacent bytes)."""
-    torch.testing.assert_close(got.scale, want.scale, rtol=2.5e-7, atol=0)
+    """Scales at most two ulps apart (an amax an ulp off, then the rounding of its product
+    with 1/448), FP8 codes at most one step (adjacent codes of one sign are adjacent bytes)."""
+    torch.testing.assert_close(got.scale, want.scale, rtol=5e-7, atol=0)
     steps = got.data.view(torch.uint8).int() - want.data.view(torch.uint8).int()
     assert steps.abs().max() <= 1
 

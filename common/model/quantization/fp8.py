@@ -67,7 +67,9 @@ class Fp8LinearMethod(LinearMethod):
             self.store_scales(layer, [s for _, s in quantized])
             if self.config.activations == "static":
                 # No calibration data: 1.0 keeps activations of unit size well inside ±448.
-                layer.input_scale = _param(torch.ones(1, dtype=torch.float32))
+                layer.input_scale = _param(
+                    torch.ones(1, dtype=torch.float32, device=layer.weight.device)
+                )
         if self.config.activations == "static":
             layer.input_scale = _param(layer.input_scale.data.max().reshape(()))
         self.finish(layer)
