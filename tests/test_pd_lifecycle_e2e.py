@@ -40,7 +40,14 @@ def stack(tmp_path_factory):
 
 
 def complete(stack: PDStack, max_tokens: int = 4) -> httpx.Response:
-    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": max_tokens}
+    # ignore_eos: a sampled EOS would end a request early, and "served in full" means
+    # exactly max_tokens (a CI run once answered 200 with 11 of 16 tokens, sampled).
+    body = {
+        "model": MODEL,
+        "prompt": "The capital of France is",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+    }
     return httpx.post(stack.url + "/v1/completions", json=body, timeout=120)
 
 
