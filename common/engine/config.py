@@ -119,11 +119,75 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
+SPECULATIVE_METHODS = ("none", "ngram", "draft", "eagle3")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    speculative_method: str = field(
+        default="none",
+        metadata={
+            "help": "none, ngram (prompt lookup over the prompt and output), draft (a smaller "
+            "model with the same tokenizer: --speculative-model) or eagle3 (EAGLE-3 draft "
+            "heads: --speculative-model)",
+            "choices": SPECULATIVE_METHODS,
+        },
+    )
+    num_speculative_tokens: int = field(
+        default=4, metadata={"help": "tokens drafted per speculating sequence and step (K)"}
+    )
+    speculative_model: str | None = field(
+        default=None, metadata={"help": "draft model or EAGLE-3 head directory"}
+    )
+    speculative_ngram_min: int = field(
+        default=1, metadata={"help": "ngram: shortest suffix looked up in the earlier tokens"}
+    )
+    speculative_ngram_max: int = field(
+        default=4, metadata={"help": "ngram: longest suffix looked up in the earlier tokens"}
+    )
+    speculative_max_batch: int = field(
+        default=64,
+        metadata={
+            "help": "speculate only in steps of at most this many running sequences (larger "
+            "batches are compute-bound: verifying K+1 tokens each costs more than it saves)"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_method must be one of {SPECULATIVE_METHODS}, "
+                f"got {self.speculative_method!r}"
+            )
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(
+                f"num_speculative_tokens must be in 1..16, got {self.num_speculative_tokens}"
+            )
+        if self.speculative_method in ("draft", "eagle3") and not self.speculative_model:
+            raise ValueError(
+                f"speculative_method={self.speculative_method} needs --speculative-model"
+            )
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
+            raise ValueError(
+                "speculative_ngram_min and speculative_ngram_max must satisfy "
+                f"1 <= min <= max, got {self.speculative_ngram_min}, {self.speculative_ngram_max}"
+            )
+        if self.speculative_max_batch < 1:
+            raise ValueError(
+                f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_method != "none"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     attention_backend: str = field(
         default="auto",
         metadata={
@@ -163,7 +227,7 @@ class EngineConfig:
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:
         """Build from flat keyword options (`block_size=32, max_num_seqs=8, ...`)."""
-        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+        parts: dict[str, dict[str, Any]] = {part: {} for part in _SUBCONFIGS}
         top: dict[str, Any] = {}
         owners = {f.name: part for part, sub in _SUBCONFIGS.items() for f in fields(sub)}
         for key, value in options.items():
@@ -177,6 +241,7 @@ class EngineConfig:
             model=ModelConfig(**parts["model"]),
             cache=CacheConfig(**parts["cache"]),
             scheduler=SchedulerConfig(**parts["scheduler"]),
+            speculative=SpeculativeConfig(**parts["speculative"]),
             **top,
         )
 
@@ -187,7 +252,12 @@ class EngineConfig:
         return out
 
 
-_SUBCONFIGS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+_SUBCONFIGS = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "speculative": SpeculativeConfig,
+}
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> None:

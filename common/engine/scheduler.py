@@ -45,6 +45,9 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)
     # Set by `Scheduler.commit`: per item, the output position its sampled token fills.
     output_index: list[int | None] = field(default_factory=list)
+    # Speculative decoding: per item, the drafted tokens the step verifies after its last
+    # token ([] or no list at all: none); set by the engine from its proposer.
+    drafts: list[list[int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

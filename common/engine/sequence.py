@@ -14,6 +14,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from common.engine.spec_decode.stats import SpecStats
 from common.protocol.sampling_params import SamplingParams
 
 PLACEHOLDER = -1  # an output token sampled on the device, not yet on the host
@@ -55,6 +56,7 @@ class Sequence:
     # n > 1: sample `index` of request `group_id` (None: the sequence is its own request).
     group_id: str | None = None
     index: int = 0
+    spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding's counts
 
     @property
     def group(self) -> str:
