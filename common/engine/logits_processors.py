@@ -51,31 +51,77 @@ class LogitsProcessors:
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Mask and bias the rows of `logits` [len(seqs), V] whose requests ask for it.
         Returns `logits`, or a float32 copy when some row was processed."""
+        return self.apply_drafts(logits, seqs, [[] for _ in seqs])
+
+    def apply_drafts(
+        self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]
+    ) -> torch.Tensor:
+        """Speculative verify: `logits` has sum(len(d) + 1) rows, sequence i's consecutive, its
+        row j scoring the token after its output + drafts[i][:j]. Each row is masked and biased
+        as `apply` would after that prefix had been accepted; the matchers end where they began.
+
+        After a draft the grammar refuses (or one that ends the grammar) the later rows of that
+        sequence stay unmasked: the row before masks the draft out (or lets only a stop token
+        through), so the verifier never reaches them, and an unmasked row is what `apply` gives
+        a terminated matcher."""
+        if len(drafts) != len(seqs):
+            raise ValueError(f"{len(drafts)} draft lists for {len(seqs)} sequences")
+        counts = [len(d) + 1 for d in drafts]
+        if sum(counts) != logits.shape[0]:
+            raise ValueError(f"logits have {logits.shape[0]} rows, drafts need {sum(counts)}")
+        starts = [0]
+        for count in counts[:-1]:
+            starts.append(starts[-1] + count)
         constrained = [i for i, s in enumerate(seqs) if s.params.structured is not None]
         biased = [i for i, s in enumerate(seqs) if s.params.logit_bias]
         if not constrained and not biased:
             return logits
         logits = logits.float()
         if constrained:
-            self._apply_grammar(logits, seqs, constrained)
+            self._apply_grammar(logits, seqs, drafts, starts, constrained)
         if biased:
-            self._apply_bias(logits, seqs, biased)
+            row_seqs = [seq for seq, count in zip(seqs, counts, strict=True) for _ in range(count)]
+            rows = [starts[i] + j for i in biased for j in range(counts[i])]
+            self._apply_bias(logits, row_seqs, rows)
         return logits
 
-    def _apply_grammar(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+    def _apply_grammar(
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        drafts: list[list[int]],
+        starts: list[int],
+        constrained: list[int],
+    ) -> None:
         import xgrammar as xgr
 
-        bitmask = xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
-        applied, matchers = [], []
-        for row in rows:
-            matcher = self._caught_up(seqs[row])
-            if matcher is not None and not matcher.is_terminated():
-                matchers.append(matcher)
-                applied.append(row)
+        bitmask = xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
+        matchers = {i: m for i in constrained if (m := self._caught_up(seqs[i])) is not None}
+        fed = dict.fromkeys(matchers, 0)  # drafts each matcher accepted: rolled back below
+        live, applied, depth = dict(matchers), [], 0
+        try:
+            # One batched fill per draft depth: the rows at one depth are distinct matchers.
+            while live:
+                live = {i: m for i, m in live.items() if not m.is_terminated()}
+                indices = [starts[i] + depth for i in live]
+                if indices:
+                    if self._batch is None:  # fills the rows' masks on a pool of threads
+                        self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
+                    self._batch.batch_fill_next_token_bitmask(
+                        list(live.values()), bitmask, indices=indices
+                    )
+                    applied.extend(indices)
+                advanced = {}
+                for i, matcher in live.items():
+                    if depth < len(drafts[i]) and matcher.accept_token(drafts[i][depth]):
+                        fed[i] += 1
+                        advanced[i] = matcher
+                live, depth = advanced, depth + 1
+        finally:
+            for i, n in fed.items():
+                if n:
+                    matchers[i].rollback(n)
         if applied:
-            if self._batch is None:  # fills the rows' masks on a pool of threads
-                self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
-            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=applied)
             mask = to_device_from(bitmask, logits.device)
             xgr.apply_token_bitmask_inplace(
                 logits, mask, vocab_size=min(self.vocab_size, logits.shape[1]), indices=applied
