@@ -9,8 +9,9 @@ from collections import Counter
 
 from common.engine.config import EngineConfig
 from common.engine.core import EngineCore
-from common.engine.scheduler import SampledToken, ScheduledBatch, Scheduler
+from common.engine.scheduler import SampledToken, ScheduledBatch
 from common.engine.sequence import Sequence, SequenceStatus
+from common.engine.spec_decode.factory import build_proposer, decoding_scheduler
 from common.engine.worker import Worker
 from common.node.channel import NodeChannel, runtime_info
 from common.node.config import NodeConfig
@@ -35,9 +36,12 @@ class DecodeNode:
         admission_cls = ADMISSIONS[node_config.colocated]
         rank_role = admission_cls.rank_role(node_config, engine_config)
         self.worker = worker or Worker(engine_config, rank_role)
-        self.scheduler = Scheduler(engine_config.scheduler, self.worker.allocator)
+        self.scheduler = decoding_scheduler(engine_config, self.worker.allocator)
         self.core = EngineCore(
-            self.worker, self.scheduler, overlap=engine_config.overlap_scheduling
+            self.worker,
+            self.scheduler,
+            overlap=engine_config.overlap_scheduling,
+            proposer=build_proposer(engine_config, self.worker),
         )
         self.channel = NodeChannel(
             node_config.control_address, node_config.router_address, admission_cls.role
@@ -168,6 +172,8 @@ class DecodeNode:
         ids, tokens, reasons, indices, timing = [], [], [], [], {}
         logprobs: list[float | None] | None = None
         tops: list | None = None
+        # A verify step gives a sequence several rows: it finishes at its last one.
+        last_row = {seq.request_id: i for i, (seq, _) in enumerate(rows)}
         for i, (seq, token) in enumerate(rows):
             rid = seq.group
             req = self.requests.get(rid)
@@ -176,7 +182,7 @@ class DecodeNode:
             tokens.append(token.token_id)
             if req is not None and not req.timing.sent_first:
                 timing[rid] = self._first_report(req)
-            finished = seq.status is SequenceStatus.FINISHED
+            finished = seq.status is SequenceStatus.FINISHED and last_row[seq.request_id] == i
             reasons.append(seq.finish_reason.value if finished and seq.finish_reason else None)
             if finished:  # this sample; the request ends with its last sample
                 self.core.release(seq.request_id)

@@ -13,6 +13,11 @@ there (`ModelRunner.launch`); stop checks and everything the caller does with th
 strings, TokenBatch messages) run one step behind, while the device works. A sequence that
 stops at step N may have a row in step N+1: that row is dropped. Both modes produce the same
 tokens: the synchronous loop is the overlapped one with the wait moved up.
+
+Speculative decoding (a `Proposer`): steps run synchronously, since a proposer reads every
+token so far on the host. After `Scheduler.schedule` the proposer drafts tokens for the items
+the scheduler allowed (`ScheduledBatch.spec_limits`), and the runner verifies them in the same
+forward; a row's output is then the list of tokens it emitted.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 from common.engine.model_runner import StepHandle
 from common.engine.scheduler import SampledToken, ScheduledBatch, Scheduler
 from common.engine.sequence import FinishReason, Sequence
+from common.engine.spec_decode.proposer import Proposer
 from common.engine.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -39,27 +45,35 @@ class StepOutput:
     """One model step, once its sampled tokens are on the host and the sequences updated."""
 
     batch: ScheduledBatch
-    # One per batch item: the token it added, None where none (no sampling row, or its
-    # sequence had ended before the step resolved).
-    sampled: list[SampledToken | None] = field(default_factory=list)
+    # One per batch item: the tokens it added (one, several for a verify step, none where
+    # the item had no sampling row or its sequence had ended before the step resolved).
+    sampled: list[list[SampledToken]] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)  # ended at this step
     error: Exception | None = None  # the step failed: none of its requests advanced
 
     def new_tokens(self) -> list[tuple[Sequence, SampledToken]]:
-        """(sequence, token) for every row that added a token, in batch order."""
+        """(sequence, token) for every token added, in batch order (a sequence's tokens in
+        order). A sequence that finished did so at its last token here."""
         return [
             (item.seq, token)
-            for item, token in zip(self.batch.items, self.sampled, strict=True)
-            if token is not None
+            for item, tokens in zip(self.batch.items, self.sampled, strict=True)
+            for token in tokens
         ]
 
 
 class EngineCore:
-    def __init__(self, worker: Worker, scheduler: Scheduler, overlap: bool = False) -> None:
+    def __init__(
+        self,
+        worker: Worker,
+        scheduler: Scheduler,
+        overlap: bool = False,
+        proposer: Proposer | None = None,
+    ) -> None:
         self.worker = worker
         self.scheduler = scheduler
         self.runner = worker.runner
         self.overlap = overlap
+        self.proposer = proposer
         self._in_flight: StepHandle | None = None
         # The last step() found work but scheduled, preempted and resolved nothing: the head
         # waiting prompt's blocks are not free. Until something outside the scheduler frees
@@ -88,6 +102,9 @@ class EngineCore:
         launched = None
         if batch:
             try:
+                if batch.spec_limits:
+                    drafts = self.proposer.propose(batch, batch.spec_limits)
+                    batch.drafts, batch.draft_probs = drafts.token_ids, drafts.probs
                 hook = before_launch(batch) if before_launch is not None else None
                 launched = self.runner.launch(batch, self._in_flight, hook)
             except Exception as exc:  # a failed step fails its requests, not the loop
@@ -113,8 +130,11 @@ class EngineCore:
     def _needs_host_tokens(self) -> bool:
         """A request with a grammar is in the scheduler: its matcher reads the tokens sampled so
         far on the host before its next mask (`common.engine.logits_processors`), so steps run
-        synchronously (no placeholder tokens) while one is there."""
+        synchronously (no placeholder tokens) while one is there. So do all steps of a
+        speculating engine: its proposer reads every token so far."""
         s = self.scheduler
+        if self.proposer is not None:
+            return True
         return any(
             seq.params.structured is not None
             for queue in (s.running, s.ready, s.waiting)
@@ -130,8 +150,17 @@ class EngineCore:
             return StepOutput(batch, error=exc)
         live = [not item.seq.is_finished for item in batch.items]
         finished = self.scheduler.resolve(batch, sampled)
-        sampled = [token if ok else None for token, ok in zip(sampled, live, strict=True)]
-        return StepOutput(batch, sampled, finished)
+        added: list[list[SampledToken]] = []
+        for item, index, tokens, ok in zip(
+            batch.items, batch.output_index, sampled, live, strict=True
+        ):
+            if not ok or tokens is None or index is None:
+                added.append([])
+                continue
+            tokens = [tokens] if isinstance(tokens, SampledToken) else tokens
+            # A stop inside a verify step's run: the tokens after it were never appended.
+            added.append(tokens[: len(item.seq.output_token_ids) - index])
+        return StepOutput(batch, added, finished)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Sequence | None:
         """End a request wherever it is in the scheduler (its blocks are freed, or held until
@@ -140,9 +169,11 @@ class EngineCore:
         seq = self.scheduler.abort(request_id)
         if seq is not None:
             seq.finish_reason = reason
-        self.runner.release(request_id)
+        self.release(request_id)
         return seq
 
     def release(self, request_id: str) -> None:
-        """Forget per-request runner state once a request has ended."""
+        """Forget per-request runner and proposer state once a request has ended."""
         self.runner.release(request_id)
+        if self.proposer is not None:
+            self.proposer.release(request_id)

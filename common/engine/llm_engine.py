@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from common.engine.config import EngineConfig
 from common.engine.core import EngineCore
-from common.engine.scheduler import Scheduler
 from common.engine.sequence import FinishReason, Sequence
+from common.engine.spec_decode.factory import build_proposer, decoding_scheduler
 from common.engine.worker import RuntimeInfo, Worker
 from common.protocol.sampling_params import SamplingParams
 
@@ -27,8 +27,13 @@ class LLMEngine:
         """`worker`: one already built from the same config (benchmarks reuse a loaded model)."""
         self.config = config
         self.worker = worker or Worker(config)
-        self.scheduler = Scheduler(config.scheduler, self.worker.allocator)
-        self.core = EngineCore(self.worker, self.scheduler, overlap=config.overlap_scheduling)
+        self.scheduler = decoding_scheduler(config, self.worker.allocator)
+        self.core = EngineCore(
+            self.worker,
+            self.scheduler,
+            overlap=config.overlap_scheduling,
+            proposer=build_proposer(config, self.worker),
+        )
         self.sequences: dict[str, Sequence] = {}
 
     @property
@@ -70,8 +75,11 @@ class LLMEngine:
         for out in self.core.step():
             if out.error is not None:
                 raise out.error  # offline: a failing model step is the caller's error
-            for seq, token in out.new_tokens():
-                events.append(StepEvent(seq, [token.token_id], seq.is_finished))
+            for item, tokens in zip(out.batch.items, out.sampled, strict=True):
+                if not tokens:
+                    continue
+                seq = item.seq
+                events.append(StepEvent(seq, [t.token_id for t in tokens], seq.is_finished))
                 if seq.is_finished:
                     self.sequences.pop(seq.request_id, None)
                     self.core.release(seq.request_id)

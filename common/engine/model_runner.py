@@ -20,9 +20,18 @@ from common.engine.device_copy import to_device
 from common.engine.kv_cache import KVCache
 from common.engine.logits_processors import LogitsProcessors
 from common.engine.prefill_graphs import PrefillGraphs
-from common.engine.sampler import SampledRows, Sampler, SamplingInputs, SamplingPlan, host_output
-from common.engine.scheduler import SampledToken, ScheduledBatch
-from common.engine.sequence import PLACEHOLDER
+from common.engine.sampler import (
+    SampledRows,
+    Sampler,
+    SamplingInputs,
+    SamplingPlan,
+    VerifiedRows,
+    VerifyPlan,
+    host_output,
+    verified_output,
+)
+from common.engine.scheduler import SampledToken, ScheduledBatch, ScheduledSeq
+from common.engine.sequence import PLACEHOLDER, Sequence
 from common.model.attention import AttentionBackend, AttentionMetadata, ForwardContext
 from common.model.registry import CausalLM
 
@@ -42,18 +51,26 @@ class HostInputs:
     query_lens: list[int] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
-    row_keys: list[tuple[str, int, int]] = field(default_factory=list)  # see DecodeGraphs.launch
+    row_keys: list[tuple] = field(default_factory=list)  # see DecodeGraphs.launch
     logits_indices: list[int] = field(default_factory=list)  # token index of each sampling row
     sample_rows: list[int] = field(default_factory=list)  # batch item index of each sampling row
     # Tokens not on the host yet: (token index here, row of the previous step's sampled ids).
     fill_at: list[int] = field(default_factory=list)
     fill_from: list[int] = field(default_factory=list)
+    verify: bool = False  # some item verifies drafts: each of its tokens is a sampling row
 
     @property
     def is_decode_only(self) -> bool:
-        return all(n == 1 for n in self.query_lens) and len(self.sample_rows) == len(
+        return all(n == 1 for n in self.query_lens) and len(self.logits_indices) == len(
             self.query_lens
         )
+
+
+def block_table_key(seq: Sequence) -> tuple[str, int, int, int]:
+    """Changes whenever the sequence's block list changes other than by growing: another
+    sequence, a preemption, or blocks of rejected drafts given back (`DecodeGraphs.launch`
+    rewrites a staged row only when its key changes)."""
+    return (seq.request_id, seq.num_preemptions, seq.num_block_trims, len(seq.block_ids))
 
 
 class StepHandle:
@@ -76,6 +93,27 @@ class StepHandle:
         items = self.batch.items
         return {items[r].seq.request_id: i for i, r in enumerate(self.sample_rows)}
 
+    def set_verified(self, out: VerifiedRows, plan: VerifyPlan) -> None:
+        """A verify step: keep its emitted ids on the device, queue their copy (ids, counts,
+        logprobs if asked) to pinned host memory and an event."""
+        self.plan = plan
+        self.token_ids = out.token_ids
+        tensors = [out.token_ids, out.num_emitted, out.logprobs]
+        if out.token_ids.device.type != "cuda":
+            self._host = tuple(tensors)
+            return
+        host = []
+        for t in tensors:
+            if t is None:
+                host.append(None)
+                continue
+            pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            pinned.copy_(t, non_blocking=True)
+            host.append(pinned)
+        self._host = tuple(host)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
     def set_sampled(self, out: SampledRows, plan: SamplingPlan) -> None:
         """Keep the step's sampled ids on the device and queue their copy to pinned host
         memory (one copy, a second only when some row asked for logprobs) and an event."""
@@ -93,15 +131,31 @@ class StepHandle:
         self._event = torch.cuda.Event()
         self._event.record()
 
-    def result(self) -> list[SampledToken | None]:
+    def result(self) -> list[SampledToken | list[SampledToken] | None]:
         if self._results is not None:
             return self._results
         if self._event is not None:
             self._event.synchronize()
         if self.replay is not None:
             self.replay.release()  # the step has read its staging buffers
-        results: list[SampledToken | None] = [None] * len(self.batch.items)
-        if self._host is not None:
+        results: list = [None] * len(self.batch.items)
+        if isinstance(self.plan, VerifyPlan):
+            ids, counts, packed = self._host
+            out = verified_output(
+                ids.tolist(), counts.tolist(), None if packed is None else packed.tolist(),
+                self.plan,
+            )  # fmt: skip
+            for i, row in enumerate(self.sample_rows):
+                lps, tops = out.logprobs, out.top_logprobs
+                results[row] = [
+                    SampledToken(
+                        token,
+                        None if lps is None or lps[i] is None else lps[i][m],
+                        None if tops is None or tops[i] is None else tops[i][m],
+                    )
+                    for m, token in enumerate(out.token_ids[i])
+                ]
+        elif self._host is not None:
             ids, packed = self._host
             out = host_output(ids.tolist(), None if packed is None else packed.tolist(), self.plan)
             for i, row in enumerate(self.sample_rows):
@@ -169,6 +223,10 @@ class ModelRunner:
         prev_rows = prev.sampled_row() if prev is not None else {}
         for row, item in enumerate(batch.items):
             seq, start, n = item.seq, item.start, item.num_new_tokens
+            drafts = batch.drafts_of(row)
+            if drafts:
+                self._verify_rows(h, row, item, drafts)
+                continue
             if n == 1:
                 token = seq.token_at(start)
                 if token == PLACEHOLDER:
@@ -186,11 +244,31 @@ class ModelRunner:
             h.query_lens.append(n)
             h.seq_lens.append(start + n)
             h.block_tables.append(blocks)
-            h.row_keys.append((seq.request_id, seq.num_preemptions, len(blocks)))
+            h.row_keys.append(block_table_key(seq))
             if item.samples:
                 h.logits_indices.append(len(h.input_ids) - 1)
                 h.sample_rows.append(row)
         return h
+
+    def _verify_rows(self, h: HostInputs, row: int, item: ScheduledSeq, drafts: list[int]) -> None:
+        """A speculating item: its last token and its drafts as decode rows, row j at position
+        start + j attending to the KV up to there (written by this same forward, before any
+        attention reads it), each a sampling row."""
+        bs, seq, start = self.block_size, item.seq, item.start
+        blocks = seq.block_ids
+        key = block_table_key(seq)
+        h.verify = True
+        h.sample_rows.append(row)
+        for j, token in enumerate([seq.token_at(start), *drafts]):
+            p = start + j
+            h.input_ids.append(token)
+            h.positions.append(p)
+            h.slots.append(blocks[p // bs] * bs + p % bs)
+            h.query_lens.append(1)
+            h.seq_lens.append(p + 1)
+            h.block_tables.append(blocks)
+            h.row_keys.append((*key, j))
+            h.logits_indices.append(len(h.input_ids) - 1)
 
     def _tensor(self, values, dtype: torch.dtype) -> torch.Tensor:
         return to_device(values, dtype, self.device)
@@ -250,7 +328,10 @@ class ModelRunner:
             raise
         finally:
             if self.link is not None:
-                self.link.send_ids(handle.token_ids, len(h.sample_rows))
+                ids = handle.token_ids
+                if ids is not None and ids.dim() == 2:  # verify: the first emitted token
+                    ids = ids[:, 0]
+                self.link.send_ids(ids, len(h.sample_rows))
         return handle
 
     @torch.inference_mode()
@@ -299,6 +380,9 @@ class ModelRunner:
     def _sample(self, handle: StepHandle, batch: ScheduledBatch, logits) -> None:
         if handle.sample_rows:
             seqs = [batch.items[row].seq for row in handle.sample_rows]
+            if batch.speculates:
+                self._verify(handle, batch, seqs, logits)
+                return
             if self.logits_processors is not None:
                 logits = self.logits_processors.apply(logits, seqs)
             inputs = SamplingInputs(
@@ -310,6 +394,22 @@ class ModelRunner:
             )
             plan = self.sampler.plan(inputs, tuple(logits.shape))
             handle.set_sampled(self.sampler.sample(logits, plan), plan)
+
+    def _verify(self, handle: StepHandle, batch: ScheduledBatch, seqs, logits) -> None:
+        """Accept a prefix of each item's drafts plus one token of the target's own
+        (`Sampler.verify`); items without drafts sample one token as usual."""
+        drafts = [batch.drafts_of(row) for row in handle.sample_rows]
+        if self.logits_processors is not None:
+            logits = self.logits_processors.apply_drafts(logits, seqs, drafts)
+        inputs = SamplingInputs(
+            params=[s.params for s in seqs],
+            prompt_token_ids=[s.prompt_token_ids for s in seqs],
+            output_token_ids=[s.output_token_ids for s in seqs],
+            eos_token_ids=[self.eos_token_ids] * len(seqs),
+            request_ids=[s.request_id for s in seqs],
+        )
+        plan = self.sampler.plan_verify(inputs, drafts, tuple(logits.shape))
+        handle.set_verified(self.sampler.verify(logits, plan, batch.draft_probs), plan)
 
     def _eager(
         self,

@@ -13,6 +13,14 @@ After the model: `update` = `commit` (placeholder tokens) then `resolve` (sample
 rules); the overlapped loop (`EngineCore`) calls them one step apart. While a step is in flight
 (`hold_frees`), blocks of sequences that finish or are aborted are held back (`take_held`)
 until it completes, so nothing can reuse a block the running step writes.
+
+Speculative decoding (`num_speculative_tokens` > 0): a decode item may also verify up to that
+many drafted tokens (`ScheduledBatch.spec_limits`; the engine's proposer fills
+`ScheduledBatch.drafts`). It gets blocks for them only when the pool has them without
+preempting anyone, and none in a step with more than `speculative_max_batch` running
+sequences. `resolve` then appends every emitted token (stop rules token by token), counts only
+verified positions as computed, and frees the blocks that held nothing but rejected drafts:
+block tables and the prefix cache never hold an unverified token.
 """
 
 from __future__ import annotations
@@ -20,10 +28,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from common.engine.block_allocator import BlockAllocator, compute_block_hashes, hash_block_tokens
 from common.engine.config import SchedulerConfig
 from common.engine.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
+from common.engine.spec_decode.stats import SpecStats
 from common.protocol.sampling_params import SamplingParams
 
 
@@ -45,9 +55,19 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)
     # Set by `Scheduler.commit`: per item, the output position its sampled token fills.
     output_index: list[int | None] = field(default_factory=list)
-    # Speculative decoding: per item, the drafted tokens the step verifies after its last
-    # token ([] or no list at all: none); set by the engine from its proposer.
+    # Speculative decoding, per item: how many tokens it may draft (blocks are reserved for
+    # them; empty: none may), and the drafts the step verifies after its last token (set by
+    # the engine from its proposer; empty: none), with their distributions (`Drafts.probs`).
+    spec_limits: list[int] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)
+    draft_probs: Any = None
+
+    def drafts_of(self, row: int) -> list[int]:
+        return self.drafts[row] if self.drafts else []
+
+    @property
+    def speculates(self) -> bool:
+        return any(self.drafts)
 
     @property
     def num_tokens(self) -> int:
@@ -66,11 +86,20 @@ class SampledToken:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, allocator: BlockAllocator, prefill_only: bool = False
+        self,
+        config: SchedulerConfig,
+        allocator: BlockAllocator,
+        prefill_only: bool = False,
+        num_speculative_tokens: int = 0,
+        speculative_max_batch: int = 0,
     ) -> None:
         """`prefill_only` (prefill node): a sequence leaves the scheduler as soon as its first
-        token is sampled, keeping its blocks for the KV transfer; the caller frees them."""
+        token is sampled, keeping its blocks for the KV transfer; the caller frees them.
+        `num_speculative_tokens`: most tokens a decode item may draft per step, in steps of at
+        most `speculative_max_batch` running sequences."""
         self.config = config
+        self.num_speculative_tokens = 0 if prefill_only else num_speculative_tokens
+        self.speculative_max_batch = speculative_max_batch
         self.allocator = allocator
         self.prefill_only = prefill_only
         self.block_size = allocator.block_size
@@ -80,6 +109,7 @@ class Scheduler:
         # arrival order, waiting for a place among at most max_num_seqs running ones.
         self.ready: deque[Sequence] = deque()
         self.num_preemptions = 0  # since start (a node reports it)
+        self.spec_totals = SpecStats()  # every sequence's drafted and accepted tokens
         self.hold_frees = False  # a step is in flight: finished sequences' blocks wait
         self._held: list[int] = []
 
@@ -164,6 +194,9 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
         scheduled: set[str] = set()
+        speculate = (
+            self.num_speculative_tokens > 0 and len(self.running) <= self.speculative_max_batch
+        )
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -173,11 +206,15 @@ class Scheduler:
             num_new = min(seq.num_pending_tokens, budget)
             if not self._grow(seq, num_new, batch, scheduled):
                 continue  # seq itself was preempted; self.running shrank
+            limit = self._spec_limit(seq, budget - num_new) if speculate else 0
             batch.items.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+            batch.spec_limits.append(limit)
             scheduled.add(seq.request_id)
-            budget -= num_new
+            budget -= num_new + limit
             i += 1
         if batch.preempted:
+            if not any(batch.spec_limits):
+                batch.spec_limits = []
             return batch  # memory is short: admit nothing new this step
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -199,8 +236,31 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.items.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+            batch.spec_limits.append(0)
             budget -= num_new
+        if not any(batch.spec_limits):
+            batch.spec_limits = []
         return batch
+
+    def _spec_limit(self, seq: Sequence, budget: int) -> int:
+        """How many tokens a decode item may draft this step: within K, the token budget, its
+        max_tokens (every emitted token but the last may be a draft) and the context limit,
+        and blocks the pool has without preempting anyone (reserved here)."""
+        if seq.num_pending_tokens != 1 or not seq.output_token_ids:
+            return 0  # a prompt chunk, or a recompute after preemption
+        limit = min(self.num_speculative_tokens, budget, seq.max_model_len - seq.num_tokens)
+        if seq.params.max_tokens is not None:
+            limit = min(limit, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+        if limit <= 0:
+            return 0
+        end = seq.num_computed_tokens + 1 + limit  # positions the step writes
+        extra = self.blocks_for(end) - len(seq.block_ids)
+        if extra > 0:
+            blocks = self.allocator.allocate(extra)
+            if blocks is None:  # speculation never preempts: draft into what it holds
+                return max(0, min(limit, len(seq.block_ids) * self.block_size - (end - limit)))
+            seq.block_ids.extend(blocks)
+        return limit
 
     def _grow(
         self, seq: Sequence, num_new: int, batch: ScheduledBatch, scheduled: set[str]
@@ -291,25 +351,48 @@ class Scheduler:
             batch.output_index.append(index)
 
     def resolve(
-        self, batch: ScheduledBatch, sampled: Iterable[SampledToken | None]
+        self,
+        batch: ScheduledBatch,
+        sampled: Iterable[SampledToken | list[SampledToken] | None],
     ) -> list[Sequence]:
         """Write a committed step's sampled tokens, register newly full blocks, apply the stop
         rules; returns the sequences that finished. Rows whose sequence ended meanwhile (an
-        abort, or a stop found at the previous step) are skipped."""
+        abort, or a stop found at the previous step) are skipped. A row's entry is its token,
+        or the list of tokens a verify step emitted (accepted drafts, then the target's own)."""
         finished: list[Sequence] = []
-        for item, index, token in zip(batch.items, batch.output_index, sampled, strict=True):
+        for row, (item, index, tokens) in enumerate(
+            zip(batch.items, batch.output_index, sampled, strict=True)
+        ):
             seq = item.seq
             if seq.is_finished:
                 continue
             if index is None:
                 self._register_full_blocks(seq)
                 continue
-            assert token is not None, "a sampling row produced no token"
-            if token.logprob is not None:
-                seq.output_logprobs.append(token.logprob)
-            if token.top_logprobs is not None:
-                seq.output_top_logprobs.append(token.top_logprobs)
-            reason = seq.resolve_token(index, token.token_id)
+            assert tokens, "a sampling row produced no token"
+            if isinstance(tokens, SampledToken):
+                tokens = [tokens]
+            reason = None
+            for m, token in enumerate(tokens):
+                if token.logprob is not None:
+                    seq.output_logprobs.append(token.logprob)
+                if token.top_logprobs is not None:
+                    seq.output_top_logprobs.append(token.top_logprobs)
+                if m:
+                    reason = seq.append_token(token.token_id)
+                else:
+                    reason = seq.resolve_token(index, token.token_id)
+                if reason is not None:
+                    break
+            drafted = len(batch.drafts_of(row))
+            if drafted:
+                seq.spec.record(drafted, len(tokens) - 1)
+                self.spec_totals.record(drafted, len(tokens) - 1)
+                # Verified: the last token and the accepted drafts (the newest token's KV is
+                # computed by the next step).
+                seq.num_computed_tokens = item.start + len(tokens)
+                if reason is None:
+                    self._drop_unverified_blocks(seq)
             self._register_full_blocks(seq)
             if self.prefill_only:
                 self._remove(seq)
@@ -321,6 +404,19 @@ class Scheduler:
                 self._finish(seq, reason)
                 finished.append(seq)
         return finished
+
+    def _drop_unverified_blocks(self, seq: Sequence) -> None:
+        """Free the blocks past the sequence's tokens: they hold only rejected drafts' KV."""
+        keep = self.blocks_for(seq.num_tokens)
+        extra = seq.block_ids[keep:]
+        if not extra:
+            return
+        del seq.block_ids[keep:]
+        seq.num_block_trims += 1
+        if self.hold_frees:
+            self._held.extend(extra)
+        else:
+            self.allocator.free(extra)
 
     def take_held(self) -> list[int]:
         """Blocks held back while a step was in flight; the caller frees them once every step

@@ -53,6 +53,7 @@ class Sequence:
     stop_reason: int | str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     num_preemptions: int = 0
+    num_block_trims: int = 0  # times blocks past its tokens were given back (rejected drafts)
     # n > 1: sample `index` of request `group_id` (None: the sequence is its own request).
     group_id: str | None = None
     index: int = 0

@@ -36,7 +36,7 @@ HAS_LAYER_HOOK = 1  # flags: rank 0 runs this step with a per-layer hook (the sa
 def pack(h: HostInputs, flags: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     lens = [len(t) for t in h.block_tables]
     header = [STEP, len(h.input_ids), len(h.query_lens), len(h.logits_indices), len(h.fill_at)]
-    header += [sum(lens), flags, 0]
+    header += [sum(lens), flags, len(h.sample_rows)]
     keys = [hash(k) for k in h.row_keys]
     body = [*h.input_ids, *h.positions, *h.slots, *h.query_lens, *h.seq_lens, *keys, *lens]
     for table in h.block_tables:
@@ -46,7 +46,7 @@ def pack(h: HostInputs, flags: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def unpack(header: list[int], body: torch.Tensor) -> tuple[HostInputs, int]:
-    _, tokens, rows, samples, fills, _, flags, _ = header
+    _, tokens, rows, logits_rows, fills, _, flags, samples = header
     values = body.tolist()
     sizes = [tokens] * 3 + [rows] * 4
     cuts = list(accumulate(sizes, initial=0))
@@ -57,8 +57,9 @@ def unpack(header: list[int], body: torch.Tensor) -> tuple[HostInputs, int]:
     for n in lens:
         tables.append(values[at : at + n])
         at += n
-    tail = [values[at + i * samples : at + (i + 1) * samples] for i in range(2)]
-    at += 2 * samples
+    # A verify step has more logits rows (one per drafted token) than sampled items.
+    tail = [values[at : at + logits_rows], values[at + logits_rows : at + logits_rows + samples]]
+    at += logits_rows + samples
     fill_at, fill_from = values[at : at + fills], values[at + fills : at + 2 * fills]
     h = HostInputs(ids, positions, slots, query_lens, seq_lens, tables, keys, *tail)
     h.fill_at, h.fill_from = fill_at, fill_from

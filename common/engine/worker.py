@@ -170,7 +170,7 @@ class Worker:
         max_model_len = min(max_len, num_blocks * cc.block_size)
         graph_bytes = prefill_graph_bytes = 0
         if self.use_graphs:
-            graph_bytes = self.runner.capture_graphs(config.scheduler.max_num_seqs, max_model_len)
+            graph_bytes = self.runner.capture_graphs(self._decode_graph_rows(), max_model_len)
             if config.prefill_graph_max_tokens:
                 max_tokens = config.prefill_graph_max_tokens
                 prefill_graph_bytes = self.runner.capture_prefill_graphs(max_tokens)
@@ -292,11 +292,19 @@ class Worker:
             budget = DEFAULT_CPU_KV_BYTES
         return num_blocks_for_budget(self.rank_spec, cc.block_size, self.kv_dtype, budget)
 
+    def _decode_graph_rows(self) -> int:
+        """Most rows of a decode step: one per sequence, or with speculation one per verified
+        token of the sequences of a speculating step (at most speculative_max_batch)."""
+        n, sc = self.config.scheduler.max_num_seqs, self.config.speculative
+        if not sc.enabled:
+            return n
+        return max(n, min(n, sc.speculative_max_batch) * (sc.num_speculative_tokens + 1))
+
     def _graph_bytes(self) -> int:
         """What the captured graphs will hold, from eager steps of their largest shapes: the
         decode sizes share one pool and one logits buffer (the largest size is the peak), the
         prefill buckets another pool (the largest bucket is the peak)."""
-        bs, n = self.config.cache.block_size, self.config.scheduler.max_num_seqs
+        bs, n = self.config.cache.block_size, self._decode_graph_rows()
         kv = self.kv_dtype
         total = graph_margin(step_peak_bytes(self.model, self.backend, bs, [1] * n, kv))
         if self.config.prefill_graph_max_tokens:
