@@ -308,3 +308,64 @@ def _check_rows(inputs: SamplingInputs, shape: tuple[int, ...] | None) -> None:
     rows = len(inputs.params) if shape is None else shape[0]
     if (shape is not None and len(shape) != 2) or any(n != rows for n in lengths.values()):
         raise ValueError(f"logits shape {shape} does not match the per-row inputs {lengths}")
+
+
+# --- TEMPORARY (lead's local scaffolding, replaced by h-rej): greedy-only verify -------------
+@dataclass
+class VerifyPlan:
+    num_rows: int
+    drafts: list
+    inner: SamplingPlan
+
+
+@dataclass
+class VerifiedRows:
+    token_ids: torch.Tensor
+    num_emitted: torch.Tensor
+    logprobs: torch.Tensor | None
+
+
+@dataclass
+class VerifiedOutput:
+    token_ids: list
+    logprobs: list | None
+    top_logprobs: list | None
+
+
+def _plan_verify(self, inputs, drafts, shape=None):
+    rows_params, rows_prompt, rows_out, rows_eos, rows_ids = [], [], [], [], []
+    for i, d in enumerate(drafts):
+        for j in range(len(d) + 1):
+            rows_params.append(inputs.params[i])
+            rows_prompt.append(inputs.prompt_token_ids[i])
+            rows_out.append(list(inputs.output_token_ids[i]) + list(d[:j]))
+            rows_eos.append(inputs.eos_token_ids[i])
+            rows_ids.append(None)
+    inner = self.plan(SamplingInputs(rows_params, rows_prompt, rows_out, rows_eos), shape)
+    return VerifyPlan(len(drafts), drafts, inner)
+
+
+def _verify(self, logits, plan, draft_probs=None):
+    out = self.sample(logits, plan.inner)
+    ids = out.token_ids.tolist()
+    k = max(len(d) for d in plan.drafts)
+    res = torch.full((plan.num_rows, k + 1), -1, dtype=torch.int64)
+    n = torch.zeros(plan.num_rows, dtype=torch.int64)
+    at = 0
+    for i, d in enumerate(plan.drafts):
+        rows = ids[at : at + len(d) + 1]
+        at += len(d) + 1
+        m = 0
+        while m < len(d) and d[m] == rows[m]:
+            m += 1
+        res[i, : m + 1] = torch.tensor(rows[: m + 1])
+        n[i] = m + 1
+    return VerifiedRows(res.to(logits.device), n.to(logits.device), None)
+
+
+def verified_output(token_ids, num_emitted, packed, plan):
+    return VerifiedOutput([t[:n] for t, n in zip(token_ids, num_emitted)], None, None)
+
+
+Sampler.plan_verify = _plan_verify
+Sampler.verify = _verify
