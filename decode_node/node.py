@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from typing import Any
 
 from common.engine.config import EngineConfig
 from common.engine.core import EngineCore
@@ -164,10 +165,15 @@ class DecodeNode:
                 choices.fork(self.scheduler, req, item.seq)
 
     def _token_batch(self, rows: list[tuple[Sequence, SampledToken]]) -> TokenBatch:
-        """One step's outputs, column-wise; the first output of a request carries its timing."""
+        """One step's outputs, column-wise; the first output of a request carries its timing,
+        a speculating sample's last output its speculative decoding counts."""
         ids, tokens, reasons, indices, timing = [], [], [], [], {}
         logprobs: list[float | None] | None = None
         tops: list | None = None
+        specs: list[dict[str, Any] | None] | None = None
+        speculating = self.worker.config.speculative.enabled
+        # A verify step emits several rows of one sample: only its last can finish it.
+        last_row = {seq.request_id: i for i, (seq, _) in enumerate(rows)}
         for i, (seq, token) in enumerate(rows):
             rid = seq.group
             req = self.requests.get(rid)
@@ -176,8 +182,14 @@ class DecodeNode:
             tokens.append(token.token_id)
             if req is not None and not req.timing.sent_first:
                 timing[rid] = self._first_report(req)
-            finished = seq.status is SequenceStatus.FINISHED
+            finished = seq.status is SequenceStatus.FINISHED and last_row[seq.request_id] == i
             reasons.append(seq.finish_reason.value if finished and seq.finish_reason else None)
+            if finished and speculating:
+                specs = specs or [None] * len(rows)
+                specs[i] = {
+                    **seq.spec.to_dict(),
+                    "accepted_per_position": list(seq.spec.accepted_per_position),
+                }
             if finished:  # this sample; the request ends with its last sample
                 self.core.release(seq.request_id)
                 if req is not None and choices.sample_ended(req, seq):
@@ -190,7 +202,7 @@ class DecodeNode:
                 tops[i] = [[t, lp] for t, lp in token.top_logprobs]
         sampled_index = any(indices)
         return TokenBatch(
-            ids, tokens, reasons, logprobs, tops, timing, indices if sampled_index else None
+            ids, tokens, reasons, logprobs, tops, timing, indices if sampled_index else None, specs
         )
 
     def _first_report(self, req: Request) -> dict[str, float]:
