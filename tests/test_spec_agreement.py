@@ -23,6 +23,8 @@ from common.node.config import NodeConfig
 from common.protocol.messages import DecodeRequest, PrefillRequest, RequestError, TokenBatch
 from common.protocol.sampling_params import SamplingParams
 from decode_node.node import DecodeNode
+from pdserve.launcher import node_summary
+from pdserve.plan import NodeProcess
 from prefill_node.node import PrefillNode
 from tests.node_harness import MAX_STEPS, engine_config, pull, save_tiny_model
 from tests.pd_stack import PDStack
@@ -195,8 +197,20 @@ def test_the_router_pairs_pools_of_one_method_whatever_their_k(tmp_path):
     try:
         formats = {n["role"]: n["info"]["kv_format"] for n in stack.get("/health")[1]["nodes"]}
         assert {f["speculative"] for f in formats.values()} == {"ngram"}
+        summary = (tmp_path / "launch.log").read_text()
+        assert "speculative ngram, K 2" in summary and "speculative ngram, K 6" in summary
         reply = chat(stack)
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["message"]["content"]
     finally:
         assert stack.stop() == []
+
+
+def test_the_launcher_summary_shows_each_pools_speculative_setting_and_k():
+    info = {"num_kv_blocks": 64, "block_size": 16, "max_model_len": 512, "pid": 7,
+            "device": "cpu", "dtype": "float32",
+            "kv_format": dataclasses.replace(F32, speculative="ngram").to_dict()}  # fmt: skip
+    node = NodeProcess("decode-0", "decode", "tcp://d", [], 1)
+    assert node_summary(node, {"info": info}, 4).endswith("; speculative ngram, K 4")
+    info["kv_format"] = F32.to_dict()
+    assert node_summary(node, {"info": info}, 4).endswith("; speculative none")

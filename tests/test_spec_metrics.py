@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from common.engine.config import EngineConfig
+from common.engine.llm import LLM
 from common.engine.spec_decode.stats import SpecStats
 from common.node.config import NodeConfig
 from common.protocol.messages import (
@@ -217,3 +218,22 @@ def test_a_node_that_does_not_speculate_sends_no_counts(model_dir, tmp_path):
         node.close()
         node.channel.close()
         router.close(linger=0)
+
+
+def test_the_offline_llm_reports_each_requests_counts_when_it_speculates(model_dir):
+    sampling = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompt = list(range(10, 30)) * 2  # repeats: something for prompt lookup to find
+    with LLM(model_dir, device="cpu", dtype="float32", enforce_eager=True) as plain:
+        (out,) = plain.generate(prompt, sampling)
+        assert out.spec_decode is None
+    with LLM(model_dir, device="cpu", dtype="float32", enforce_eager=True,
+             speculative_method="ngram") as llm:  # fmt: skip
+        (out,) = llm.generate(prompt, sampling)
+    counts = out.spec_decode
+    assert len(out.token_ids) == 6 and counts is not None
+    assert set(counts) == {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                           "mean_accepted_length"}  # fmt: skip
+    drafts, accepted = counts["num_drafts"], counts["num_accepted_tokens"]
+    assert counts["mean_accepted_length"] == pytest.approx(
+        1 + accepted / drafts if drafts else 1.0, abs=1e-4
+    )
