@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from typing import Any
 
 from common.engine.config import EngineConfig
 from common.engine.core import EngineCore
@@ -168,11 +169,14 @@ class DecodeNode:
                 choices.fork(self.scheduler, req, item.seq)
 
     def _token_batch(self, rows: list[tuple[Sequence, SampledToken]]) -> TokenBatch:
-        """One step's outputs, column-wise; the first output of a request carries its timing."""
+        """One step's outputs, column-wise; the first output of a request carries its timing,
+        a speculating sample's last output its speculative decoding counts."""
         ids, tokens, reasons, indices, timing = [], [], [], [], {}
         logprobs: list[float | None] | None = None
         tops: list | None = None
-        # A verify step gives a sequence several rows: it finishes at its last one.
+        specs: list[dict[str, Any] | None] | None = None
+        speculating = self.worker.config.speculative.enabled
+        # A verify step emits several rows of one sample: only its last can finish it.
         last_row = {seq.request_id: i for i, (seq, _) in enumerate(rows)}
         for i, (seq, token) in enumerate(rows):
             rid = seq.group
@@ -184,6 +188,12 @@ class DecodeNode:
                 timing[rid] = self._first_report(req)
             finished = seq.status is SequenceStatus.FINISHED and last_row[seq.request_id] == i
             reasons.append(seq.finish_reason.value if finished and seq.finish_reason else None)
+            if finished and speculating:
+                specs = specs or [None] * len(rows)
+                specs[i] = {
+                    **seq.spec.to_dict(),
+                    "accepted_per_position": list(seq.spec.accepted_per_position),
+                }
             if finished:  # this sample; the request ends with its last sample
                 self.core.release(seq.request_id)
                 if req is not None and choices.sample_ended(req, seq):
@@ -196,7 +206,7 @@ class DecodeNode:
                 tops[i] = [[t, lp] for t, lp in token.top_logprobs]
         sampled_index = any(indices)
         return TokenBatch(
-            ids, tokens, reasons, logprobs, tops, timing, indices if sampled_index else None
+            ids, tokens, reasons, logprobs, tops, timing, indices if sampled_index else None, specs
         )
 
     def _first_report(self, req: Request) -> dict[str, float]:

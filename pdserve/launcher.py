@@ -118,7 +118,9 @@ class Launcher:
             time.sleep(POLL_S)
         by_address = {n["id"]: n for n in nodes}
         for node in self.plan.nodes:
-            say(node_summary(node, by_address.get(node.address, {})))
+            engine = self.plan.configs.engines["prefill" if node.role == "prefill" else "decode"]
+            report = by_address.get(node.address, {})
+            say(node_summary(node, report, engine.speculative.num_speculative_tokens))
 
     def _serve(self) -> None:
         launch = self.plan.configs.launch
@@ -182,10 +184,12 @@ class Launcher:
                 proc.wait()
 
 
-def node_summary(node: NodeProcess, report: dict[str, Any]) -> str:
+def node_summary(node: NodeProcess, report: dict[str, Any], num_speculative: int = 0) -> str:
     """`decode-0 (pid 12, cpu, float32): weights 0.27 GB; KV float8_e4m3fn 8192 blocks x 16 =
-    131072 tokens; max concurrency 64.0 requests of 2048 tokens` (an FP8 pool holds twice the
-    tokens of one in the model dtype)."""
+    131072 tokens; max concurrency 64.0 requests of 2048 tokens; speculative ngram, K 4` (an
+    FP8 pool holds twice the tokens of one in the model dtype). The speculative setting is the
+    one the node reported, which its KV peers must share; K (`num_speculative`, from the
+    pool's flags) may differ between pools."""
     info = report.get("info") or {}
     blocks, size = info.get("num_kv_blocks"), info.get("block_size")
     max_len = info.get("max_model_len")
@@ -195,10 +199,15 @@ def node_summary(node: NodeProcess, report: dict[str, Any]) -> str:
     weights = info.get("weight_bytes") or 0
     tp = info.get("tp") or 1
     ranks = f", tp {tp}" if tp > 1 else ""
-    kv_dtype = (info.get("kv_format") or {}).get("kv_dtype") or info.get("dtype")
+    kv_format = info.get("kv_format") or {}
+    kv_dtype = kv_format.get("kv_dtype") or info.get("dtype")
+    speculative = kv_format.get("speculative") or "none"
+    if speculative != "none" and num_speculative:
+        speculative += f", K {num_speculative}"
     return (
         f"{node.name} (pid {info.get('pid')}, {info.get('device')}{ranks}, {info.get('dtype')}): "
         f"weights {weights / 1e9:.2f} GB; KV {kv_dtype} {blocks} blocks x {size} = {tokens} "
         f"tokens; "
-        f"max concurrency {tokens / max_len:.1f} requests of {max_len} tokens"
+        f"max concurrency {tokens / max_len:.1f} requests of {max_len} tokens; "
+        f"speculative {speculative}"
     )

@@ -2,7 +2,9 @@
 
 Every series has a `model_name` label. Two sources:
 - what the router observes itself (`RouterMetrics`): requests and tokens, latency histograms
-  from each request's timing record, the TTFT phases, admission queues, dispatches per node;
+  from each request's timing record, the TTFT phases, admission queues, dispatches per node,
+  speculative decoding's drafted and accepted tokens (vLLM's `spec_decode` family; counted
+  when a request closes, from the counts its finishing rows carried);
 - what each node reported in its last heartbeat (`NodeCollector`, read at scrape time):
   running / waiting requests, KV cache usage, prefix cache queries and hits, KV transfer
   bytes, seconds and failures, preemptions, dropped frames, with `node` and `role` labels.
@@ -105,6 +107,21 @@ class RouterMetrics:
         self.phase = hist(
             "pdserve:request_phase_seconds", "Each phase of the timing record.", ["phase"]
         )
+        self.spec_drafts = Counter(
+            "pdserve:spec_decode_num_drafts", "Verify steps of a sequence with drafted tokens.",
+            m, registry=reg,
+        )  # fmt: skip
+        self.spec_draft_tokens = Counter(
+            "pdserve:spec_decode_num_draft_tokens", "Drafted tokens.", m, registry=reg
+        )
+        self.spec_accepted_tokens = Counter(
+            "pdserve:spec_decode_num_accepted_tokens", "Drafted tokens accepted.", m, registry=reg
+        )
+        self.spec_accepted_per_pos = Counter(
+            "pdserve:spec_decode_num_accepted_tokens_per_pos",
+            "Drafted tokens accepted at each draft position (0-based).",
+            [*m, "position"], registry=reg,
+        )  # fmt: skip
         self.in_flight.labels(model_name).set(0)
 
     def add_collector(self, collector: Collector) -> None:
@@ -147,6 +164,13 @@ class RouterMetrics:
             self.prefill_time.labels(name).observe(timing.prefill_compute)
         for phase, value in timing.phases().items():
             self.phase.labels(name, phase).observe(value)
+        if timing.spec_decode is not None:
+            spec = timing.spec_decode
+            self.spec_drafts.labels(name).inc(spec.num_drafts)
+            self.spec_draft_tokens.labels(name).inc(spec.num_draft_tokens)
+            self.spec_accepted_tokens.labels(name).inc(spec.num_accepted_tokens)
+            for position, count in enumerate(spec.accepted_per_position):
+                self.spec_accepted_per_pos.labels(name, str(position)).inc(count)
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()

@@ -217,6 +217,8 @@ class Session:
                 outputs.append(
                     (output.index, _pieces(output), output.finished, output.finish_reason)
                 )
+                if output.spec_decode is not None:
+                    self.marks.add_spec_decode(output.spec_decode)
         arrived = dict.fromkeys(index for index, pieces, _, _ in outputs if pieces)
         if arrived:
             now = self.core.clock()

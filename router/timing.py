@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.engine.spec_decode.stats import SpecStats
+
 NODE_PHASES = (
     "node_decode",
     "prefill_queue",
@@ -47,6 +49,8 @@ class TimingMarks:
     # taken within a choice; one decode step brings a row of every choice at the same moment.
     token_arrivals: dict[int, list[float]] = field(default_factory=dict)
     node_timing: dict[str, float] = field(default_factory=dict)
+    # Speculative decoding counts of the samples the decode node finished (None: none came)
+    spec_decode: SpecStats | None = None
 
     def tokens_arrived(self, now: float, index: int = 0) -> None:
         if self.first_token is None:
@@ -57,6 +61,18 @@ class TimingMarks:
         for key, value in (timing or {}).items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 self.node_timing[key] = float(value)
+
+    def add_spec_decode(self, counts: dict[str, Any]) -> None:
+        """One sample's counts, as a finishing `TokenOutput` carried them (validated there)."""
+        stats = SpecStats(
+            counts["num_drafts"],
+            counts["num_draft_tokens"],
+            counts["num_accepted_tokens"],
+            list(counts["accepted_per_position"]),
+        )
+        if self.spec_decode is None:
+            self.spec_decode = SpecStats()
+        self.spec_decode.add(stats)
 
 
 @dataclass(frozen=True)
@@ -92,6 +108,7 @@ class TimingRecord:
     decode_intervals: IntervalSummary
     gaps: tuple[float, ...] = ()  # the raw decode intervals, for the metrics histogram
     extra: dict[str, float] = field(default_factory=dict)  # other node-reported durations
+    spec_decode: SpecStats | None = None  # the samples' speculative decoding counts, summed
 
     def phases(self) -> dict[str, float]:
         """Every measured scalar phase, for histograms."""
@@ -115,6 +132,8 @@ class TimingRecord:
         }
         out.update(self.extra)
         out["decode_intervals"] = self.decode_intervals.to_dict()
+        if self.spec_decode is not None:
+            out["spec_decode"] = self.spec_decode.to_dict()
         return out
 
 
@@ -153,6 +172,7 @@ def assemble(marks: TimingMarks, now: float) -> TimingRecord:
         decode_intervals=summarize(gaps),
         gaps=gaps,
         extra={k: v for k, v in node.items() if k not in NODE_PHASES},
+        spec_decode=marks.spec_decode,
     )
 
 

@@ -2,8 +2,9 @@
 
 A prefill node's KV is only usable by a decode node that stores and reads it the same way: the
 same element type and, for FP8, the same per-layer scales (a value stored as `x / scale` reads
-back as `stored * scale`), the same model quantization (which computed the K and V), and the
-same layout. Every node publishes its `KVFormat` in its heartbeat (`info["kv_format"]`); the
+back as `stored * scale`), the same model quantization (which computed the K and V), the same
+layout, and the same speculative decoding method and draft model (what decode needs to start
+speculating moves with the KV; K may differ). Every node publishes its `KVFormat` in its heartbeat (`info["kv_format"]`); the
 router pairs only nodes whose formats are equal, and a KV receiver refuses a sender whose
 announced format differs (kv_transfer).
 """
@@ -12,11 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from common.model.quantization.config import QuantConfig
+from common.model.source import ModelSource
 
 FEW_SCALES = 4  # per-layer scales are listed up to this many layers, digested beyond
 
@@ -30,6 +33,8 @@ class KVFormat:
     num_kv_heads: int  # the model's, not one tensor-parallel rank's
     head_dim: int
     block_size: int
+    # `speculative_name`: "none", "ngram", "draft:<model>", "eagle3:<model>" (K excluded)
+    speculative: str = "none"
 
     @classmethod
     def from_dict(cls, raw: Any) -> KVFormat:
@@ -55,11 +60,12 @@ class KVFormat:
 
     def describe(self) -> str:
         """`float8_e4m3fn KV (scales all 1.0), weights none, 30 layers x 3 KV heads x 64, 16-token
-        blocks`."""
+        blocks, speculative ngram`."""
         scales = "" if self.kv_scales == "none" else f" (scales {self.kv_scales})"
+        spec = "" if self.speculative == "none" else f", speculative {self.speculative}"
         return (
             f"{self.kv_dtype} KV{scales}, weights {self.quantization}, {self.num_layers} layers x "
-            f"{self.num_kv_heads} KV heads x {self.head_dim}, {self.block_size}-token blocks"
+            f"{self.num_kv_heads} KV heads x {self.head_dim}, {self.block_size}-token blocks{spec}"
         )
 
     def mismatch(self, other: KVFormat, labels: tuple[str, str] = ("this", "other")) -> str | None:
@@ -98,3 +104,19 @@ def quantization_name(scheme: QuantConfig | None) -> str:
         return "none"
     block = f" {scheme.block[0]}x{scheme.block[1]}" if scheme.block else ""
     return f"fp8 {scheme.weights}{block} weights, {scheme.activations} activations"
+
+
+def speculative_name(method: str, draft: ModelSource | None = None) -> str:
+    """What two pools' speculation must agree on: the method, and for `draft` / `eagle3` the
+    draft model as `<method>:<name> config:<digest>`, the digest of its config.json (parsed, so
+    two copies of one checkpoint agree whatever their whitespace). K and the n-gram sizes are
+    left out: they change how many tokens are drafted, not what the KV must carry."""
+    if method in ("none", "ngram"):
+        return method
+    if draft is None:
+        raise ValueError(f"speculative method {method!r} needs its draft model")
+    config = draft.directory / "config.json"
+    if not config.exists():
+        return f"{method}:{draft.name}"
+    canonical = json.dumps(json.loads(config.read_text()), sort_keys=True)
+    return f"{method}:{draft.name} config:{hashlib.sha256(canonical.encode()).hexdigest()[:12]}"

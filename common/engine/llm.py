@@ -27,6 +27,9 @@ class RequestOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     num_cached_tokens: int = 0
+    # With speculation on: `SpecStats.to_dict()` (drafts, drafted and accepted tokens, mean
+    # accepted length), the same entry as the server's timing record's `spec_decode`
+    spec_decode: dict[str, float | int] | None = None
 
 
 class LLM:
@@ -109,11 +112,12 @@ class LLM:
                     self._finish(out, seq)
         return [outputs[rid] for rid in order]
 
-    @staticmethod
-    def _finish(out: RequestOutput, seq) -> None:
+    def _finish(self, out: RequestOutput, seq) -> None:
         out.token_ids = list(seq.output_token_ids)
         out.finish_reason = seq.finish_reason.value if seq.finish_reason else None
         out.num_cached_tokens = seq.num_cached_tokens
+        if self.engine.config.speculative.enabled:
+            out.spec_decode = seq.spec.to_dict()
         if seq.params.logprobs is not None:
             out.logprobs = list(seq.output_logprobs)
             out.top_logprobs = list(seq.output_top_logprobs)

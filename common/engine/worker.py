@@ -27,7 +27,12 @@ from common.engine.kv_cache import (
     kv_cache_dtype,
     num_blocks_for_budget,
 )
-from common.engine.kv_format import KVFormat, quantization_name, scales_summary
+from common.engine.kv_format import (
+    KVFormat,
+    quantization_name,
+    scales_summary,
+    speculative_name,
+)
 from common.engine.logits_processors import LogitsProcessors
 from common.engine.memory_probe import graph_margin, step_peak_bytes
 from common.engine.model_runner import ModelRunner
@@ -320,9 +325,14 @@ class Worker:
 
     def _kv_format(self) -> KVFormat:
         """This pool's `KVFormat`: the model's layout (all KV heads, whatever this rank holds),
-        the pool's dtype and scales, and the linear quantization that computes K and V."""
+        the pool's dtype and scales, the linear quantization that computes K and V, and the
+        speculative method with its draft model (resolved like --model)."""
         mc, kv, spec = self.config.model, self.kv_cache, self.spec
         scheme = resolve_quantization(spec.quantization, mc.quantization, mc.load_format)
+        sc = self.config.speculative
+        draft = None
+        if sc.speculative_method in ("draft", "eagle3"):
+            draft = resolve_model(sc.speculative_model, str(self.dtype).removeprefix("torch."))
         return KVFormat(
             kv_dtype=str(kv.pool.dtype).removeprefix("torch."),
             kv_scales=scales_summary(kv.k_scales, kv.v_scales) if kv.is_fp8 else "none",
@@ -331,6 +341,7 @@ class Worker:
             num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
             block_size=kv.block_size,
+            speculative=speculative_name(sc.speculative_method, draft),
         )
 
 

@@ -43,6 +43,10 @@ from common.protocol.wire_auth import SIGNER, SignatureError
 INT_DTYPE = np.dtype("<i4")
 IntArray = NewType("IntArray", np.ndarray)  # 1-D little-endian int32; msgpack bin on the wire
 FINISH_REASONS = frozenset({"stop", "length", "abort", "error"})
+# A finishing row's speculative decoding counts (the engine's SpecStats.to_dict plus its
+# per-position acceptances); every count a non-negative int.
+SPEC_DECODE_COUNTS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+SPEC_DECODE_KEYS = frozenset({*SPEC_DECODE_COUNTS, "mean_accepted_length", "accepted_per_position"})
 
 
 class MessageError(ValueError):
@@ -139,6 +143,7 @@ class TokenOutput:
     finish_reason: str | None
     timing: dict[str, float] | None  # decode-side durations, sent with the first output
     index: int = 0  # the sample (choice) of an n > 1 request; `finished` is about this one
+    spec_decode: dict[str, Any] | None = None  # this sample's counts, on its finishing output
 
 
 @dataclass(frozen=True)
@@ -157,12 +162,15 @@ class TokenBatch:
     timing: dict[str, dict[str, float]] = field(default_factory=dict)  # by request id
     # n > 1: the sample each row belongs to (its finish reason is that sample's); None: all 0
     indices: list[int] | None = None
+    # Per row: a speculating sample's counts (`SPEC_DECODE_KEYS`), on its finishing row only;
+    # None when no row carries any
+    spec_decode: list[dict[str, Any] | None] | None = None
 
     def __post_init__(self) -> None:
         _coerce_arrays(self, "token_ids")
         n = len(self.request_ids)
         lengths = {len(self.token_ids), len(self.finish_reasons)}
-        for column in (self.logprobs, self.top_logprobs, self.indices):
+        for column in (self.logprobs, self.top_logprobs, self.indices, self.spec_decode):
             if column is not None:
                 lengths.add(len(column))
         if lengths != {n}:
@@ -170,12 +178,18 @@ class TokenBatch:
         if not set(self.finish_reasons) <= FINISH_REASONS | {None}:
             bad = set(self.finish_reasons) - FINISH_REASONS - {None}
             raise MessageError(f"TokenBatch: unknown finish reasons {sorted(map(str, bad))}")
+        for i, counts in enumerate(self.spec_decode or ()):
+            if counts is not None:
+                if self.finish_reasons[i] is None:
+                    raise MessageError(f"TokenBatch row {i}: spec_decode on a row that goes on")
+                check_spec_decode(counts)
 
     def items(self) -> list[TokenOutput]:
         ids, reasons = self.token_ids.tolist(), self.finish_reasons
         lps = self.logprobs or [None] * len(ids)
         tops = self.top_logprobs or [None] * len(ids)
         indices = self.indices or [0] * len(ids)
+        specs = self.spec_decode or [None] * len(ids)
         out, reported = [], set()
         for i, rid in enumerate(self.request_ids):
             timing = None
@@ -192,9 +206,40 @@ class TokenBatch:
                     reasons[i],
                     timing,
                     indices[i],
+                    specs[i],
                 )
             )
         return out
+
+
+def check_spec_decode(counts: dict[str, Any]) -> None:
+    """MessageError naming the offending values unless `counts` is one sample's consistent
+    speculative decoding counts: non-negative ints, accepted <= drafted, and per position j
+    at most one acceptance per draft, summing to the accepted tokens."""
+    if set(counts) != SPEC_DECODE_KEYS:
+        missing = sorted(SPEC_DECODE_KEYS - set(counts))
+        unknown = sorted(map(str, set(counts) - SPEC_DECODE_KEYS))
+        raise MessageError(f"spec_decode fields: missing {missing}, unknown {unknown}")
+    per_position = counts["accepted_per_position"]
+    values = [counts[k] for k in SPEC_DECODE_COUNTS]
+    if type(per_position) is not list:
+        raise MessageError(f"spec_decode accepted_per_position is not a list: {per_position!r}")
+    for value in [*values, *per_position]:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise MessageError(f"spec_decode counts must be ints >= 0, got {counts}")
+    drafts, drafted, accepted = values
+    if accepted > drafted or drafted < drafts or (drafts == 0 and drafted > 0):
+        raise MessageError(
+            f"spec_decode: {accepted} accepted of {drafted} drafted tokens in {drafts} drafts"
+        )
+    if sum(per_position) != accepted or any(n > drafts for n in per_position):
+        raise MessageError(
+            f"spec_decode accepted_per_position {per_position} does not fit {accepted} "
+            f"accepted tokens in {drafts} drafts"
+        )
+    mean = counts["mean_accepted_length"]
+    if not isinstance(mean, (int, float)) or isinstance(mean, bool):
+        raise MessageError(f"spec_decode mean_accepted_length is not a number: {mean!r}")
 
 
 @dataclass(frozen=True)
