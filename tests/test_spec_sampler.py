@@ -113,6 +113,12 @@ def test_greedy_verify_emits_exactly_what_sequential_greedy_sampling_emits(
     assert out.logprobs is not None
     for got, (_, logprobs) in zip(out.logprobs, expected, strict=True):
         assert got == (None if logprobs[0] is None else pytest.approx(logprobs))
+    assert out.top_logprobs is not None and out.top_logprobs[1] is None
+    raw = torch.log_softmax(blocks[0], dim=-1)
+    for j, top in enumerate(out.top_logprobs[0]):  # logprobs=3: one list per emitted token
+        assert [t for t, _ in top] == raw[j].topk(3).indices.tolist()
+        assert [lp for _, lp in top] == pytest.approx(raw[j].topk(3).values.tolist())
+    assert out.top_logprobs[2] == [[]]
     if reject_at is None:
         assert [len(t) for t in out.token_ids] == [k + 1 for k in ks]
     elif reject_at == 0:

@@ -29,12 +29,10 @@ import torch
 from common.engine import sampling_ops as ops
 from common.engine.device_copy import to_device
 from common.engine.spec_decode import rejection
-from common.engine.spec_decode.rejection import (
-    VerifiedOutput,
-    VerifiedRows,
-    VerifyPlan,
-    verified_output,
-)
+from common.engine.spec_decode.rejection import VerifiedOutput as VerifiedOutput
+from common.engine.spec_decode.rejection import VerifiedRows, VerifyPlan
+from common.engine.spec_decode.rejection import verified_output as verified_output
+from common.engine.spec_decode.rejection import verified_to_host as verified_to_host
 from common.engine.token_counts import TokenCounts
 from common.protocol.sampling_params import SamplingParams
 
@@ -387,12 +385,6 @@ def host_output(
         count = min(count, n)
         tops[row] = [(int(values[1 + j]), values[1 + n + j]) for j in range(count)]
     return SamplerOutput(token_ids, logprobs, tops)
-
-
-def verified_to_host(out: VerifiedRows, plan: VerifyPlan) -> VerifiedOutput:
-    """Read a verify step's results back (syncs with the device)."""
-    packed = None if out.logprobs is None else out.logprobs.tolist()
-    return verified_output(out.token_ids.tolist(), out.num_emitted.tolist(), packed, plan)
 
 
 def _check_rows(inputs: SamplingInputs, shape: tuple[int, ...] | None) -> None:

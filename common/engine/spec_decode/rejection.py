@@ -23,7 +23,7 @@ last row for j > k_i, whose "draft" -1 is never accepted, so the leading-accept 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,6 +35,7 @@ from common.engine.device_copy import to_device
 if TYPE_CHECKING:
     from common.engine.sampler import SamplingInputs, SamplingPlan
     from common.engine.token_counts import TokenCounts
+    from common.protocol.sampling_params import SamplingParams
 
 
 @dataclass
@@ -88,7 +89,7 @@ class _Extended(Sequence[int]):
     def __len__(self) -> int:
         return len(self.base) + len(self.extra)
 
-    def __getitem__(self, index):  # noqa: ANN001, ANN204 (Sequence's int-or-slice protocol)
+    def __getitem__(self, index: int | slice) -> int | list[int]:  # type: ignore[override]
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         index = index + len(self) if index < 0 else index
@@ -170,7 +171,14 @@ def build_plan(
     return plan
 
 
-def _plan_penalties(plan, params, drafts, starts, slots, ints) -> None:  # noqa: ANN001
+def _plan_penalties(
+    plan: VerifyPlan,
+    params: list[SamplingParams],
+    drafts: list[list[int]],
+    starts: list[int],
+    slots: dict[int, int],
+    ints: Callable[[list], torch.Tensor],
+) -> None:
     if not slots:
         return
     plan.counted = ints([list(slots), list(slots.values())])
@@ -291,3 +299,9 @@ def verified_output(
         count = min(count, n)
         tops[i].append([(int(values[1 + t]), values[1 + n + t]) for t in range(count)])
     return VerifiedOutput(tokens, logprobs, tops)
+
+
+def verified_to_host(out: VerifiedRows, plan: VerifyPlan) -> VerifiedOutput:
+    """Read a verify step's results back (syncs with the device)."""
+    packed = None if out.logprobs is None else out.logprobs.tolist()
+    return verified_output(out.token_ids.tolist(), out.num_emitted.tolist(), packed, plan)
