@@ -13,6 +13,9 @@
 5. one draw per row by the exponential race, the noise a hash of (request key, draw index,
    token): every seeded row in one launch, independent of its batch neighbours, and the
    decode node continues a request the prefill node started bit-exactly (`sampling_ops`).
+
+`plan_verify` / `verify` do the same for a speculative step, several rows per sequence, and
+keep a prefix of its drafts (`common.engine.spec_decode.rejection`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,11 @@ import torch
 
 from common.engine import sampling_ops as ops
 from common.engine.device_copy import to_device
+from common.engine.spec_decode import rejection
+from common.engine.spec_decode.rejection import VerifiedOutput as VerifiedOutput
+from common.engine.spec_decode.rejection import VerifiedRows, VerifyPlan
+from common.engine.spec_decode.rejection import verified_output as verified_output
+from common.engine.spec_decode.rejection import verified_to_host as verified_to_host
 from common.engine.token_counts import TokenCounts
 from common.protocol.sampling_params import SamplingParams
 
@@ -125,9 +133,7 @@ class Sampler:
         ids = inputs.request_ids
         ephemeral = []
         if ids is None:
-            ids = [f"\0call-{self._ephemeral}-{i}" for i in range(rows)]
-            self._ephemeral += 1
-            ephemeral = ids
+            ids = ephemeral = self._call_ids(rows)
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         blocked = self._blocked(inputs)
         pen_rows = [i for i, p in enumerate(params) if p.uses_penalties]
@@ -155,6 +161,42 @@ class Sampler:
         if sampled:
             self._plan_sampled(plan, inputs, ids, sampled)
         return plan
+
+    def _call_ids(self, rows: int) -> list[str]:
+        """Request ids whose sampler state lives for one call."""
+        self._ephemeral += 1
+        return [f"\0call-{self._ephemeral}-{i}" for i in range(rows)]
+
+    def plan_verify(
+        self,
+        inputs: SamplingInputs,
+        drafts: list[list[int]],
+        shape: tuple[int, ...] | None = None,
+    ) -> VerifyPlan:
+        """A verify step's plan: `inputs` has one row per sequence (its output without the
+        drafts), `drafts[i]` its drafted tokens; the logits have sum(len(drafts[i]) + 1) rows,
+        sequence i's consecutive (`rejection`)."""
+        _check_rows(inputs, None)
+        ids = inputs.request_ids
+        ephemeral: list[str] = []
+        if ids is None:
+            ids = ephemeral = self._call_ids(len(inputs.params))
+        rows = rejection.expand_inputs(inputs, ids, drafts, self.vocab_size)
+        if shape is not None and (len(shape) != 2 or shape[0] != len(rows.params)):
+            raise ValueError(
+                f"logits shape {shape} does not match {len(drafts)} sequences with "
+                f"{sum(map(len, drafts))} drafts ({len(rows.params)} rows)"
+            )
+        plan = self.plan(rows, shape)
+        plan.ephemeral = tuple(ephemeral)
+        slots = {
+            i: self.counts.slot(
+                ids[i], inputs.prompt_token_ids[i], inputs.output_token_ids[i], params
+            )
+            for i, params in enumerate(inputs.params)
+            if params.uses_penalties
+        }
+        return rejection.build_plan(plan, inputs, drafts, slots, self.device)
 
     def _plan_sampled(
         self, plan: SamplingPlan, inputs: SamplingInputs, ids: list[str], rows: list[int]
@@ -223,8 +265,51 @@ class Sampler:
         self._end(plan)
         return SampledRows(token_ids, packed)
 
+    def verify(
+        self, logits: torch.Tensor, plan: VerifyPlan, draft_probs: torch.Tensor | None = None
+    ) -> VerifiedRows:
+        """Accept a prefix of each sequence's drafts and add one token; consumes `logits`
+        (float32 [R, V]). `draft_probs` [D, V] float32: the distribution each draft was
+        sampled from (None: deterministic drafts). Adds the emitted tokens to the penalised
+        requests' token counts, on the device."""
+        rows = plan.rows
+        drafts = sum(plan.num_drafts)
+        if draft_probs is not None and tuple(draft_probs.shape) != (drafts, self.vocab_size):
+            raise ValueError(
+                f"draft_probs shape {tuple(draft_probs.shape)} is not ({drafts}, "
+                f"{self.vocab_size}) for drafts {plan.num_drafts}"
+            )
+        raw = None
+        if rows.logprob_index is not None:
+            raw = torch.log_softmax(logits[rows.logprob_index], dim=-1)
+        fixed = rejection.draft_penalties(logits, plan, self.counts)
+        self._penalize(logits, rows)
+        if fixed is not None:
+            logits.index_put_(tuple(plan.corrections[:2]), fixed)
+        self._block(logits, rows)
+        target = logits.argmax(dim=-1)  # final for greedy rows
+        accept = target == plan.next_draft
+        if rows.sampled_rows is not None:
+            tokens, accepted = rejection.sampled_targets(logits, plan, draft_probs, self.salts)
+            target.index_copy_(0, rows.sampled_rows, tokens)
+            accept.index_copy_(0, rows.sampled_rows, accepted)
+        token_ids, num_emitted = rejection.emitted(target, accept, plan)
+        if plan.counted is not None:
+            seqs, slots = plan.counted
+            self.counts.add_rows(slots, token_ids[seqs])
+        packed = None
+        if raw is not None:
+            chosen = token_ids.view(-1)[plan.logprob_pad].clamp(min=0)
+            packed = _pack_logprobs(raw, chosen, rows.num_top)
+        self._end(rows)
+        return VerifiedRows(token_ids, num_emitted, packed)
+
     def _adjust(self, logits: torch.Tensor, plan: SamplingPlan) -> None:
         """Penalties and the min_tokens mask, in place."""
+        self._penalize(logits, plan)
+        self._block(logits, plan)
+
+    def _penalize(self, logits: torch.Tensor, plan: SamplingPlan) -> None:
         if plan.penalty_rows is not None:
             ops.apply_penalties_to_rows_(
                 logits,
@@ -234,6 +319,8 @@ class Sampler:
                 self.counts.prompt_seen,
                 plan.penalties,
             )
+
+    def _block(self, logits: torch.Tensor, plan: SamplingPlan) -> None:
         if plan.blocked is not None:
             # index_put_ of a device scalar: assigning a Python float would copy it to the
             # device and wait for the step in flight.

@@ -217,12 +217,29 @@ def filtered_race(
 def race(logits: torch.Tensor, row_keys: torch.Tensor, salts: torch.Tensor) -> torch.Tensor:
     """One token per row drawn from softmax(logits) by the exponential race argmax(p / q),
     q = `exponential_noise(row_keys, salts)`."""
-    probs = logits.softmax(dim=-1)
+    return race_probs(logits.softmax(dim=-1), row_keys, salts)
+
+
+def race_probs(probs: torch.Tensor, row_keys: torch.Tensor, salts: torch.Tensor) -> torch.Tensor:
+    """`race` on non-negative weights [S, V] float32, contiguous, each row with some positive
+    mass; the race is scale-free, so they need not sum to 1. `probs` is consumed."""
     if _use_triton(probs):
         from common.model.kernels import sampling
 
         return sampling.race(probs, row_keys)
     return probs.div_(exponential_noise(row_keys, salts)).argmax(dim=-1)
+
+
+# The salt of a token id no vocabulary reaches: lowbias32 is a bijection on 32 bits, so the
+# acceptance bits hash an input that no token's race noise hashes under the same row key.
+_ACCEPT_SALT = hash32_int(M32)
+
+
+def acceptance_uniform(row_keys: torch.Tensor) -> torch.Tensor:
+    """One uniform in (0, 1) per row, [S] float32, from the row key alone and independent of
+    the row's race noise: the coin of speculative rejection sampling."""
+    bits = hash32(row_keys ^ _ACCEPT_SALT) >> 8
+    return ((bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))).clamp_(max=UNIFORM_MAX)
 
 
 @functools.cache

@@ -66,6 +66,14 @@ class TokenCounts:
         ones = torch.ones(slots.shape[0], dtype=torch.int32, device=self.device)
         self.counts.view(-1).scatter_add_(0, slots * self.vocab_size + token_ids, ones)
 
+    def add_rows(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Count several tokens per row: `token_ids` [P, T] int64, -1 where a row has fewer
+        (a verify step's emitted tokens); slots [P] are distinct."""
+        index = slots.unsqueeze(1) * self.vocab_size + token_ids.clamp(min=0)
+        self.counts.view(-1).scatter_add_(
+            0, index.view(-1), (token_ids >= 0).to(torch.int32).view(-1)
+        )
+
     def release(self, request_id: str) -> None:
         slot = self._slots.pop(request_id, None)
         if slot is not None:
