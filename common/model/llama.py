@@ -140,8 +140,9 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope)
-        # EAGLE-3 (opt-in): layer ids whose input (the residual stream after the layers before
-        # it) each forward leaves in `aux_hidden`, concatenated: [T, len * hidden_size].
+        # EAGLE-3 (opt-in): ids i in 0..num_layers, ascending, of the residual stream a forward
+        # leaves in `aux_hidden` (layer i's input; num_layers: the last layer's output before
+        # the final norm), concatenated per token row: [T, len * hidden_size].
         self.aux_hidden_layers: tuple[int, ...] = ()
         self.aux_hidden: torch.Tensor | None = None
 
@@ -153,6 +154,8 @@ class LlamaModel(nn.Module):
             if i in self.aux_hidden_layers:
                 aux.append(hidden if residual is None else hidden + residual)
             hidden, residual = layer(positions, hidden, residual, self.rotary, ctx)
+        if len(self.layers) in self.aux_hidden_layers:
+            aux.append(hidden + residual)
         if aux:
             self.aux_hidden = torch.cat(aux, dim=-1)
         hidden, _ = self.norm(hidden, residual)

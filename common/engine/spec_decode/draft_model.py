@@ -27,7 +27,7 @@ from common.engine.config import SpeculativeConfig
 from common.engine.kv_cache import KVCache
 from common.engine.scheduler import ScheduledBatch
 from common.engine.sequence import PLACEHOLDER, Sequence
-from common.engine.spec_decode.paged import PagedRows, ProposerPool
+from common.engine.spec_decode.paged import PagedRows, ProposerPool, draft_blocks
 from common.engine.spec_decode.proposer import Drafts
 from common.model.attention import AttentionBackend
 from common.model.loader import build_model
@@ -129,7 +129,7 @@ class DraftModelProposer:
             seq = seqs[i]
             state = self._catch_up(seq)
             tokens = [t if t < self.vocab_size else 0 for t in seq.all_token_ids[state.seen :]]
-            rows.add(tokens, state.seen, self._blocks(seq, limits[i]))
+            rows.add(tokens, state.seen, draft_blocks(seq, limits[i], self.block_size))
         for i, token in zip(active, self._argmax(rows), strict=True):
             drafts[i].append(token)
         for step in range(1, max(limits[i] for i in active)):
@@ -160,16 +160,6 @@ class DraftModelProposer:
         state.seen = min(state.seen + kept, seq.num_tokens - 1)
         state.fed = []
         return state
-
-    def _blocks(self, seq: Sequence, limit: int) -> list[int]:
-        """The sequence's block ids, which must hold its last token and `limit` drafts."""
-        needed = -(-(seq.num_tokens + limit) // self.block_size)
-        if len(seq.block_ids) < needed:
-            raise ValueError(
-                f"request {seq.request_id!r} drafts {limit} tokens after {seq.num_tokens} and "
-                f"needs {needed} blocks; it holds {len(seq.block_ids)}"
-            )
-        return seq.block_ids
 
     def _argmax(self, rows: PagedRows) -> list[int]:
         """The draft model's greedy token after each sequence's last row."""

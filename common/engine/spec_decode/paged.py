@@ -14,7 +14,19 @@ import torch
 
 from common.engine.device_copy import to_device
 from common.engine.kv_cache import KVCache
+from common.engine.sequence import Sequence
 from common.model.attention import AttentionBackend, AttentionMetadata, ForwardContext
+
+
+def draft_blocks(seq: Sequence, limit: int, block_size: int) -> list[int]:
+    """`seq`'s block ids, which must hold its last token and `limit` drafts (ValueError)."""
+    needed = -(-(seq.num_tokens + limit) // block_size)
+    if len(seq.block_ids) < needed:
+        raise ValueError(
+            f"request {seq.request_id!r} drafts {limit} tokens after {seq.num_tokens} and "
+            f"needs {needed} blocks; it holds {len(seq.block_ids)}"
+        )
+    return seq.block_ids
 
 
 @dataclass
