@@ -140,12 +140,24 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope)
+        # EAGLE-3 (opt-in): ids i in 0..num_layers, ascending, of the residual stream a forward
+        # leaves in `aux_hidden` (layer i's input; num_layers: the last layer's output before
+        # the final norm), concatenated per token row: [T, len * hidden_size].
+        self.aux_hidden_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        aux: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_hidden_layers:
+                aux.append(hidden if residual is None else hidden + residual)
             hidden, residual = layer(positions, hidden, residual, self.rotary, ctx)
+        if len(self.layers) in self.aux_hidden_layers:
+            aux.append(hidden + residual)
+        if aux:
+            self.aux_hidden = torch.cat(aux, dim=-1)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

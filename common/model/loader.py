@@ -64,14 +64,30 @@ def build_model(
     return model.eval()
 
 
-def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
+def _safetensors_files(directory: Path) -> list[Path]:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ValueError(
             f"no *.safetensors files in {directory} (use load_format='dummy' for random weights)"
         )
+    return files
+
+
+def safetensors_names(directory: Path) -> list[str]:
+    """The tensor names of a checkpoint, without reading the tensors."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for file in _safetensors_files(directory):
+        with safe_open(str(file), framework="pt") as handle:
+            names.extend(handle.keys())
+    return names
+
+
+def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = _safetensors_files(directory)
     total = 0
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
