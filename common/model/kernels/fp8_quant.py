@@ -254,7 +254,7 @@ def _quantize_rows(
     act, static = _outputs(x2, n, x.dtype, quant)
     m = x2.shape[0]
     if m and n and quant.layout == "token":
-        path = token_path or ("partials" if m <= SPLIT_MAX_ROWS else "row")
+        path = token_path or default_token_path(m)
         _quantize_tokens(x2, n, act, silu, path)
     elif m and n:
         block = max(min(_CHUNK, triton.next_power_of_2(n)), quant.group)
@@ -264,6 +264,12 @@ def _quantize_rows(
             PARTS=1, STEP=block, BLOCK=block, num_warps=_row_warps(block),
         )  # fmt: skip
     return _shaped(act, (*x.shape[:-1], n))
+
+
+def default_token_path(rows: int) -> str:
+    """Decode batches spread each row over many programs; prefill batches fill the SMs with
+    rows already."""
+    return "partials" if rows <= SPLIT_MAX_ROWS else "row"
 
 
 def _quantize_tokens(x2: torch.Tensor, n: int, act: Fp8Activation, silu: bool, path: str) -> None:
