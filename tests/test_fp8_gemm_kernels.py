@@ -225,3 +225,11 @@ def test_benchmark_smoke_run_checks_every_triton_candidate(tmp_path):
     assert len(rows) == 2 * 5 * 2  # both kernels, five linears, two M
     assert all(r["status"] == "ok" and r["max_rel_err"] < report["tol"] for r in rows)
     assert report["models"]["tiny"]["per_m"]["1"]["bf16"]["eager_ms"] > 0
+    alone = [r for r in report["detail"] if r["candidate"].startswith(("quant[", "silu["))]
+    assert len(alone) == 6 * 5 * 2  # three paths x (quantize, silu), five linears, two M
+    assert all(r["status"] == "ok" and r["max_rel_err"] == 0 for r in alone)  # the same codes
+    errors = {}
+    for r in report["detail"]:
+        if r["candidate"] in ("quant_disp", "q_row_disp"):
+            errors.setdefault((r["layer"], r["m"]), set()).add(r["max_rel_err"])
+    assert len(errors) == 10 and all(len(e) == 1 for e in errors.values())  # the same output
