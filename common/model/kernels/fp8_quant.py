@@ -9,7 +9,8 @@ rounds its output to the model dtype exactly as `fused_ops` does, then quantizes
 `common.model.quantization.fp8_ops`: scale = max(amax * INV_FP8_MAX, MIN_SCALE),
 q = e4m3(clamp(y / scale, ±448)), bit for bit. The e4m3 bits are computed with integer ops
 (`_e4m3_bits`) and stored through a uint8 view: Triton's CPU interpreter rounds FP8 casts
-wrongly, and one path that runs everywhere is the one tested. Inputs need only their last dimension contiguous.
+wrongly, and one path that runs everywhere is the one tested. Inputs need only their last
+dimension contiguous.
 """
 
 from __future__ import annotations
