@@ -279,7 +279,7 @@ def _quantize_tokens(x2: torch.Tensor, n: int, act: Fp8Activation, silu: bool, p
     """Per-token scales by `path` (TOKEN_PATHS). The max of chunk maxima is the row's amax
     exactly, so the scale, and every byte, is the same on each path."""
     m = x2.shape[0]
-    step = min(_TOKEN_STEP, triton.next_power_of_2(n))
+    step = max(128, min(_TOKEN_STEP, triton.next_power_of_2(n)))  # tiles of >= 128 columns
     if path == "row":
         block, parts, programs = step, 1, 1
         span = triton.cdiv(n, step) * step
