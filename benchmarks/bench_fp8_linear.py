@@ -24,6 +24,13 @@ Candidates (each skippable: a failure is reported and the others go on):
   block_mm      _scaled_mm with the same block scales, if this torch and GPU take them
   dispatch      fp8_linear with per-token x per-channel scales: what the model runs at this M
   block_disp    block_fp8_linear_cuda given the block scales: the block-scaled choice at M
+  quant_disp    from the bf16 input: fp8_quant.quantize_fp8 (per token, its default path at
+                M) then dispatch, what o_proj runs at this M
+  q_row_disp    the same with one quantization program per row (the path before issue 20's
+                split), for the before/after
+Quantization alone, in the JSON detail (a per-step table is printed; their speedups are
+meaningless): quant[PATH] (quantize_fp8) and silu[PATH] (silu_and_mul_fp8 of a [M, 2K]
+input), PATH in fp8_quant.TOKEN_PATHS; each output is checked against fp8_ops' codes.
 Every output is checked against the dequantizing reference of its own quantized operands
 (bf16: the float32 product); max |out - ref| / max |ref| beyond --tol fails the run (exit 1)
 after the table is printed. --sweep adds Triton tile-config variants to the JSON detail.
@@ -116,6 +123,7 @@ class Inputs:
     token_scale: torch.Tensor  # [M, 1]
     group: torch.Tensor
     group_scale: torch.Tensor  # [M, KB]
+    gate_up: torch.Tensor  # [M, 2K] bf16, the input of silu_and_mul_fp8
 
 
 def make_weights(lin: Linear, device: torch.device, l2_bytes: int) -> Weights:
@@ -147,8 +155,16 @@ def make_inputs(m: int, k: int, device: torch.device) -> Inputs:
     static = ops.dynamic_scale(x.abs().amax())  # a calibrated static scale, in effect
     token, token_scale = ops.quantize_per_token(x)
     group, group_scale = ops.quantize_per_token_group(x, BLOCK)
+    gate_up = torch.randn(m, 2 * k, device=device).to(OUT)
     return Inputs(
-        x, ops.quantize_per_tensor(x, static), static, token, token_scale, group, group_scale
+        x,
+        ops.quantize_per_tensor(x, static),
+        static,
+        token,
+        token_scale,
+        group,
+        group_scale,
+        gate_up,
     )
 
 
@@ -203,11 +219,51 @@ def candidates(sweep: bool) -> dict[str, Candidate]:
         "dispatch": Candidate(channel(gemm.fp8_linear), ref_channel),
         "block_disp": Candidate(block_scaled_mm(gemm.block_fp8_linear_cuda), ref_block),
     }
+    table.update(quantization_candidates(channel, ref_channel))
     for label, config, m_range in sweep_configs() if sweep else []:
         chan = functools.partial(kern.w8a8_channel_mm, config=config)
         table[f"chan[{label}]"] = Candidate(channel(chan), ref_channel, m_range)
         block = triton_block(kern.w8a8_block_mm, config)
         table[f"block[{label}]"] = Candidate(block, ref_block, m_range)
+    return table
+
+
+def quantization_candidates(channel, ref_channel) -> dict[str, Candidate]:
+    """The per-token activation quantization: before the dispatched GEMM (from bf16), and
+    alone on each path (`fp8_quant.TOKEN_PATHS`), checked on its FP8 codes."""
+    from common.model.kernels import fp8_quant, fused_ops
+    from common.model.quantization import fp8_gemm as gemm
+    from common.model.quantization import fp8_ops as ops
+    from common.model.quantization.activation import ActivationQuant
+
+    token = ActivationQuant("token")
+
+    def quantized_disp(path):
+        def run(w, x, i):
+            act = fp8_quant.quantize_fp8(x.x, token, path)
+            return gemm.fp8_linear(act.data, act.scale, w.channel[i], w.channel_scale, OUT, w.bias)
+
+        return run
+
+    def alone(silu, path):
+        if silu:
+            return lambda w, x, i: fp8_quant.silu_and_mul_fp8(x.gate_up, token, path).data
+        return lambda w, x, i: fp8_quant.quantize_fp8(x.x, token, path).data
+
+    def codes(silu):
+        def ref(w, x):
+            source = fused_ops.silu_and_mul(x.gate_up) if silu else x.x
+            return ops.quantize_per_token(source)[0].float()
+
+        return ref
+
+    table = {
+        "quant_disp": Candidate(quantized_disp(None), ref_channel),
+        "q_row_disp": Candidate(quantized_disp("row"), ref_channel),
+    }
+    for path in fp8_quant.TOKEN_PATHS:
+        table[f"quant[{path}]"] = Candidate(alone(False, path), codes(False))
+        table[f"silu[{path}]"] = Candidate(alone(True, path), codes(True))
     return table
 
 
@@ -416,6 +472,25 @@ def print_table(model, summary, names, key) -> None:
         print(f"{m:>6} " + " ".join(f"{c:>17}" for c in cells))
 
 
+def print_quant_table(model, rows, ms, key) -> None:
+    """Per step, the standalone quantization the model launches: o_proj's input
+    (quant[PATH] at o's K) and down_proj's (silu[PATH] at down's K), times the layers."""
+    paths = sorted({r["candidate"][6:-1] for r in rows if r["candidate"].startswith("quant[")})
+    if not paths:
+        return
+    print(f"\n{model.name}: per-token quantization of o and down inputs x {model.layers}, {key}")
+    print(f"{'M':>6} " + " ".join(f"{p:>12}" for p in paths))
+    for m in ms:
+        cells = []
+        for path in paths:
+            want = {("o", f"quant[{path}]"), ("down", f"silu[{path}]")}
+            mine = [r for r in rows if r["m"] == m and (r["layer"], r["candidate"]) in want]
+            times = [r.get(f"{key}_ms") for r in mine]
+            ok = len(mine) == 2 and None not in times
+            cells.append(f"{model.layers * sum(times):.3f}" if ok else "n/a")
+        print(f"{m:>6} " + " ".join(f"{c:>12}" for c in cells))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -466,10 +541,10 @@ def main() -> int:
             summary = summarize(model, ms, names, rows)
             report["models"][model.name] = {"layers": model.layers, "per_m": summary}
             report["detail"] += rows
-            main_names = [n for n in names if "[" not in n]
-            if cuda:
-                print_table(model, summary, main_names, "graph")
-            print_table(model, summary, main_names, "eager")
+            main_names = [n for n in names if "[" not in n]  # no sweep, no quantization alone
+            for key in ("graph", "eager") if cuda else ("eager",):
+                print_table(model, summary, main_names, key)
+                print_quant_table(model, rows, ms, key)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(
                 json.dumps(report, indent=1)

@@ -8,6 +8,7 @@ checked too.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -24,9 +25,11 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from common.model.kernels import fp8_gemm_kernels as kern  # noqa: E402
+from common.model.kernels import fp8_quant, fused_ops  # noqa: E402
 from common.model.kernels.fp8_gemm_kernels import TileConfig  # noqa: E402
 from common.model.quantization import fp8_gemm  # noqa: E402
 from common.model.quantization import fp8_ops as ops  # noqa: E402
+from common.model.quantization.activation import ActivationQuant  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -161,6 +164,32 @@ def test_bad_operands_are_refused_naming_the_values():
         fp8_gemm.block_scaled_mm_linear(xq, xs, wq, rows[:1], torch.bfloat16, None)
 
 
+@pytest.mark.parametrize("silu", [False, True])  # o_proj's input, down_proj's
+@pytest.mark.parametrize("k", [128, 3584])
+@pytest.mark.parametrize("m", [1, 3, 17, 64])
+def test_decode_quantization_then_channel_kernel_equals_the_row_path_and_reference(m, k, silu):
+    """The split per-token quantization feeds the GEMM the very bytes and scales of one
+    program per row, so the product is identical; both match the dequantizing reference."""
+    x, w, _ = operands(m, 64, 2 * k if silu else k, False)
+    x, token = x.to(torch.bfloat16), ActivationQuant("token")
+    if silu:
+        w = w[:, :k]
+        quantize = functools.partial(fp8_quant.silu_and_mul_fp8, x, token)
+    else:
+        quantize = functools.partial(fp8_quant.quantize_fp8, x, token)
+    wq, ws = ops.quantize_weight_per_channel(w)
+    ws = ws.reshape(-1)
+    assert fp8_quant.default_token_path(m) == "partials"
+    outs = []
+    for act in (quantize(), quantize(token_path="row")):
+        outs.append(kern.w8a8_channel_mm(act.data, act.scale, wq, ws, torch.bfloat16))
+    assert torch.equal(outs[0], outs[1])
+    inputs = fused_ops.silu_and_mul(x) if silu else x
+    xq, xs = ops.quantize_per_token(inputs)
+    ref = fp8_gemm.reference_linear(xq, xs, wq, ws, torch.float32, None)
+    assert_matches(outs[0], ref, torch.bfloat16)
+
+
 @pytest.mark.skipif(not CUDA, reason="fp8_linear dispatches on CUDA only")
 @pytest.mark.parametrize("m", [1, 64, 200, 1024])
 def test_fp8_linear_dispatch_matches_the_reference_at_every_m(m):
@@ -196,3 +225,11 @@ def test_benchmark_smoke_run_checks_every_triton_candidate(tmp_path):
     assert len(rows) == 2 * 5 * 2  # both kernels, five linears, two M
     assert all(r["status"] == "ok" and r["max_rel_err"] < report["tol"] for r in rows)
     assert report["models"]["tiny"]["per_m"]["1"]["bf16"]["eager_ms"] > 0
+    alone = [r for r in report["detail"] if r["candidate"].startswith(("quant[", "silu["))]
+    assert len(alone) == 6 * 5 * 2  # three paths x (quantize, silu), five linears, two M
+    assert all(r["status"] == "ok" and r["max_rel_err"] == 0 for r in alone)  # the same codes
+    errors = {}
+    for r in report["detail"]:
+        if r["candidate"] in ("quant_disp", "q_row_disp"):
+            errors.setdefault((r["layer"], r["m"]), set()).add(r["max_rel_err"])
+    assert len(errors) == 10 and all(len(e) == 1 for e in errors.values())  # the same output

@@ -162,3 +162,38 @@ def test_bad_specs_and_shapes_are_value_errors_naming_them():
         fp8_quant.rms_norm_fp8(
             torch.ones(3, 5, device=DEVICE), torch.ones(8, device=DEVICE), EPS, None, quant("token")
         )
+
+
+@pytest.mark.parametrize("path", fp8_quant.TOKEN_PATHS)
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("n", [128, 3584])  # 3584: Qwen2.5-7B's hidden size, chunks of 256+
+@pytest.mark.parametrize("m", [1, 3, 17, 64])
+def test_every_per_token_path_gives_the_fp8_ops_bits(path, silu, n, m):
+    x = rows(m, 2 * n if silu else n, torch.bfloat16, zero_row=2 if m > 2 else None)
+    if silu:
+        got = fp8_quant.silu_and_mul_fp8(x, quant("token"), token_path=path)
+        want = quantize_activation(fused_ops.silu_and_mul(x), quant("token"))
+    else:
+        got = fp8_quant.quantize_fp8(x, quant("token"), token_path=path)
+        want = quantize_activation(x, quant("token"))
+    assert_bit_equal(got, want)
+    if m > 2:
+        assert torch.all(got.scale[2] == MIN_SCALE)  # the all-zero row: the floor, not NaN
+
+
+@pytest.mark.parametrize("path", ["partials", "recompute"])
+def test_a_down_proj_wide_row_split_over_many_chunks_equals_one_program_per_row(path):
+    x = rows(2, 2 * 18944, torch.bfloat16, zero_row=None)  # Qwen2.5-7B's [gate | up]
+    got = fp8_quant.silu_and_mul_fp8(x, quant("token"), token_path=path)
+    assert_bit_equal(got, fp8_quant.silu_and_mul_fp8(x, quant("token"), token_path="row"))
+
+
+def test_decode_batches_split_rows_and_prefill_batches_keep_one_program_per_row():
+    assert fp8_quant.default_token_path(1) == "partials"
+    assert fp8_quant.default_token_path(fp8_quant.SPLIT_MAX_ROWS) == "partials"
+    assert fp8_quant.default_token_path(fp8_quant.SPLIT_MAX_ROWS + 1) == "row"
+
+
+def test_an_unknown_token_path_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match="'columns'"):
+        fp8_quant.quantize_fp8(torch.ones(2, 8, device=DEVICE), quant("token"), "columns")

@@ -1,13 +1,16 @@
 """FP8 activation quantization fused into the kernels that produce a linear layer's input:
 RMSNorm (+ residual add), SiLU-and-mul, and a plain quantization (attention output -> o_proj).
 
-One program per token row; no host syncs (a static scale is read on the device), so launches
-are capturable in CUDA graphs. Each kernel first rounds its output to the model dtype exactly
-as `fused_ops` does, then quantizes as `common.model.quantization.fp8_ops`: scale =
-max(amax * INV_FP8_MAX, MIN_SCALE), q = e4m3(clamp(y / scale, ±448)), bit for bit. The e4m3 bits are
-computed with integer ops (`_e4m3_bits`) and stored through a uint8 view: Triton's CPU
-interpreter rounds FP8 casts wrongly, and one path that runs everywhere is the one tested.
-Inputs need only their last dimension contiguous.
+RMSNorm: one program per token row. SiLU-and-mul and the plain quantization: per-token scales
+at decode sizes split each row over many programs (chunk maxima first, `TOKEN_PATHS`), else
+one program per row; group and static scales, one program per chunk. No host syncs (a static
+scale is read on the device), so launches are capturable in CUDA graphs. Each kernel first
+rounds its output to the model dtype exactly as `fused_ops` does, then quantizes as
+`common.model.quantization.fp8_ops`: scale = max(amax * INV_FP8_MAX, MIN_SCALE),
+q = e4m3(clamp(y / scale, ±448)), bit for bit. The e4m3 bits are computed with integer ops
+(`_e4m3_bits`) and stored through a uint8 view: Triton's CPU interpreter rounds FP8 casts
+wrongly, and one path that runs everywhere is the one tested. Inputs need only their last
+dimension contiguous.
 """
 
 from __future__ import annotations
@@ -25,6 +28,17 @@ _LAYOUT = {"token": 0, "group": 1, "static": 2}
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _TOKEN_STEP = 8192  # columns per loop step of a per-token row program
 _CHUNK = 1024  # columns per program of the group and static layouts
+_PARTIALS, _RECOMPUTE = tl.constexpr(0), tl.constexpr(1)  # where a token row's amax comes from
+# How per-token scales are computed (`quantize_fp8`'s `token_path`): "row", one program per
+# row (two passes over it); "partials", chunk maxima from a first launch, then one program per
+# chunk; "recompute", one launch, each chunk's program redoing the row's amax pass itself.
+TOKEN_PATHS = ("row", "partials", "recompute")
+# Up to this many rows (decode batches) a row is spread over many programs: one program per
+# row left an H200 at batch 1 with one SM quantizing an 18944-wide row (12.6 us a call, 0.70
+# ms of a 4.0 ms Qwen2.5-7B step). Above it the rows alone fill the SMs.
+SPLIT_MAX_ROWS = 64
+_SPLIT_PROGRAMS = 128  # chunks sized for about one program per SM of an H100 / H200
+_SPLIT_MIN, _SPLIT_MAX = 256, 4096  # columns per chunk
 _MAX = tl.constexpr(FP8_MAX)
 _INV_MAX = tl.constexpr(INV_FP8_MAX)
 _FLOOR = tl.constexpr(MIN_SCALE)
@@ -131,37 +145,56 @@ def _row(x_row, n, offs, SILU: tl.constexpr):
     return y.to(tl.float32)
 
 
+@triton.jit
+def _chunk_amax_kernel(x_ptr, amax_ptr, stride_x, n, num_parts,
+                       SILU: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Program (r, c): the amax of `_row` r over columns c*BLOCK.., into amax[r, c]."""
+    row, part = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    y = _row(x_ptr + row * stride_x, n, part * BLOCK + tl.arange(0, BLOCK), SILU)
+    tl.store(amax_ptr + row * num_parts + part, tl.max(tl.abs(y), 0))
+
+
 # fmt: off
 @triton.jit
 def _quantize_rows_kernel(
-    x_ptr, q_ptr, s_ptr, static_ptr, stride_x, n, num_scales,
-    SILU: tl.constexpr, LAYOUT: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, static_ptr, amax_ptr, stride_x, n, num_scales, span, num_parts,
+    SILU: tl.constexpr, LAYOUT: tl.constexpr, AMAX: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    PARTS: tl.constexpr, STEP: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # fmt: on
-    """Per-token scales: program (r, 0) does row r of `_row` in steps of BLOCK columns, in two
-    passes (the amax, then the quantization; the row is recomputed, not kept). Group and
-    static scales need no row-wide value: program (r, c) does columns c*BLOCK.. of row r."""
+    """Program (r, c) quantizes columns [c * span, (c + 1) * span) of `_row` r, BLOCK at a
+    time (span a multiple of BLOCK). Per-token scales need the row's amax first: AMAX ==
+    _PARTIALS reads the num_parts chunk maxima `_chunk_amax_kernel` left in amax[r, :]
+    (PARTS, a power of two, covers them); AMAX == _RECOMPUTE makes a pass over the whole row,
+    STEP columns at a time (the row is recomputed, not kept). Program (r, 0) stores the scale.
+    Group and static scales need no row-wide value (span == BLOCK)."""
     row = tl.program_id(0).to(tl.int64)
     x_row, q_row = x_ptr + row * stride_x, q_ptr + row * n
     s_row = s_ptr + row * num_scales
     offs = tl.arange(0, BLOCK)
+    lo = tl.program_id(1) * span
     if LAYOUT == _TOKEN:
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, n, BLOCK):
-            amax = tl.maximum(amax, tl.abs(_row(x_row, n, start + offs, SILU)))
+        if AMAX == _PARTIALS:
+            parts = tl.arange(0, PARTS)
+            amax = tl.load(amax_ptr + row * num_parts + parts, mask=parts < num_parts, other=0.0)
+        else:
+            steps = tl.arange(0, STEP)
+            amax = tl.zeros([STEP], dtype=tl.float32)
+            for start in range(0, n, STEP):
+                amax = tl.maximum(amax, tl.abs(_row(x_row, n, start + steps, SILU)))
         scale = _scale_of(tl.max(amax, 0))
-        tl.store(s_row, scale)
-        for start in range(0, n, BLOCK):
+        if tl.program_id(1) == 0:
+            tl.store(s_row, scale)
+        for start in range(lo, tl.minimum(lo + span, n), BLOCK):
             y = _row(x_row, n, start + offs, SILU)
             tl.store(q_row + start + offs, _fp8(y, scale), mask=start + offs < n)
     else:
-        start = tl.program_id(1) * BLOCK
-        y = _row(x_row, n, start + offs, SILU)
+        y = _row(x_row, n, lo + offs, SILU)
         if LAYOUT == _GROUP:
-            _store_groups(y, start, n, q_row, s_row, GROUP_SIZE, BLOCK)
+            _store_groups(y, lo, n, q_row, s_row, GROUP_SIZE, BLOCK)
         else:
             scale = tl.load(static_ptr)
-            tl.store(q_row + start + offs, _fp8(y, scale), mask=start + offs < n)
+            tl.store(q_row + lo + offs, _fp8(y, scale), mask=lo + offs < n)
 
 
 def rms_norm_fp8(
@@ -196,32 +229,77 @@ def rms_norm_fp8(
     return _shaped(act, x.shape), res_out
 
 
-def silu_and_mul_fp8(x: torch.Tensor, quant: ActivationQuant) -> Fp8Activation:
-    """`fused_ops.silu_and_mul` (last dim `[gate | up]`, 2n) emitting FP8 [..., n]."""
+def silu_and_mul_fp8(
+    x: torch.Tensor, quant: ActivationQuant, token_path: str | None = None
+) -> Fp8Activation:
+    """`fused_ops.silu_and_mul` (last dim `[gate | up]`, 2n) emitting FP8 [..., n].
+    `token_path`: see `quantize_fp8`."""
     if x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul_fp8: last dim must be [gate | up], got {tuple(x.shape)}")
-    return _quantize_rows(x, x.shape[-1] // 2, quant, silu=True)
+    return _quantize_rows(x, x.shape[-1] // 2, quant, True, token_path)
 
 
-def quantize_fp8(x: torch.Tensor, quant: ActivationQuant) -> Fp8Activation:
-    """`x` [..., K] to FP8 in `quant`'s layout, in one launch."""
-    return _quantize_rows(x, x.shape[-1], quant, silu=False)
+def quantize_fp8(
+    x: torch.Tensor, quant: ActivationQuant, token_path: str | None = None
+) -> Fp8Activation:
+    """`x` [..., K] to FP8 in `quant`'s layout. `token_path` (one of TOKEN_PATHS) forces how
+    per-token scales are computed, for benchmarks and tests; by default "partials" up to
+    SPLIT_MAX_ROWS rows, else "row". Every path gives the same bits."""
+    return _quantize_rows(x, x.shape[-1], quant, False, token_path)
 
 
-def _quantize_rows(x: torch.Tensor, n: int, quant: ActivationQuant, silu: bool) -> Fp8Activation:
+def _quantize_rows(
+    x: torch.Tensor, n: int, quant: ActivationQuant, silu: bool, token_path: str | None
+) -> Fp8Activation:
+    if token_path is not None and token_path not in TOKEN_PATHS:
+        raise ValueError(f"token_path must be one of {TOKEN_PATHS}, got {token_path!r}")
     x2 = _rows(x)
     act, static = _outputs(x2, n, x.dtype, quant)
-    if x2.shape[0] and n:
-        token = quant.layout == "token"
-        cap = _TOKEN_STEP if token else _CHUNK
-        block = max(min(cap, triton.next_power_of_2(n)), quant.group)
-        grid = (x2.shape[0], 1 if token else triton.cdiv(n, block))
-        _quantize_rows_kernel[grid](
-            x2, act.data, act.scale, static, x2.stride(0), n, _num_scales(act),
-            SILU=silu, LAYOUT=_LAYOUT[quant.layout], GROUP_SIZE=quant.group, BLOCK=block,
-            num_warps=_row_warps(block),
+    m = x2.shape[0]
+    if m and n and quant.layout == "token":
+        path = token_path or default_token_path(m)
+        _quantize_tokens(x2, n, act, silu, path)
+    elif m and n:
+        block = max(min(_CHUNK, triton.next_power_of_2(n)), quant.group)
+        _quantize_rows_kernel[(m, triton.cdiv(n, block))](
+            x2, act.data, act.scale, static, static, x2.stride(0), n, _num_scales(act), block, 0,
+            SILU=silu, LAYOUT=_LAYOUT[quant.layout], AMAX=_RECOMPUTE, GROUP_SIZE=quant.group,
+            PARTS=1, STEP=block, BLOCK=block, num_warps=_row_warps(block),
         )  # fmt: skip
     return _shaped(act, (*x.shape[:-1], n))
+
+
+def default_token_path(rows: int) -> str:
+    """Decode batches spread each row over many programs; prefill batches fill the SMs with
+    rows already."""
+    return "partials" if rows <= SPLIT_MAX_ROWS else "row"
+
+
+def _quantize_tokens(x2: torch.Tensor, n: int, act: Fp8Activation, silu: bool, path: str) -> None:
+    """Per-token scales by `path` (TOKEN_PATHS). The max of chunk maxima is the row's amax
+    exactly, so the scale, and every byte, is the same on each path."""
+    m = x2.shape[0]
+    step = max(128, min(_TOKEN_STEP, triton.next_power_of_2(n)))  # tiles of >= 128 columns
+    if path == "row":
+        block, parts, programs = step, 1, 1
+        span = triton.cdiv(n, step) * step
+    else:
+        want = triton.next_power_of_2(triton.cdiv(m * n, _SPLIT_PROGRAMS))
+        block = span = min(step, max(_SPLIT_MIN, min(_SPLIT_MAX, want)))
+        parts = programs = triton.cdiv(n, block)
+    amax = act.scale  # read only on the "partials" path
+    if path == "partials":
+        amax = torch.empty((m, parts), dtype=torch.float32, device=x2.device)
+        _chunk_amax_kernel[(m, parts)](
+            x2, amax, x2.stride(0), n, parts, SILU=silu, BLOCK=block, num_warps=_row_warps(block)
+        )
+    widest = block if path == "partials" else step
+    _quantize_rows_kernel[(m, programs)](
+        x2, act.data, act.scale, act.scale, amax, x2.stride(0), n, 1, span, parts,
+        SILU=silu, LAYOUT=_LAYOUT["token"], AMAX=_PARTIALS if path == "partials" else _RECOMPUTE,
+        GROUP_SIZE=1, PARTS=triton.next_power_of_2(parts), STEP=step, BLOCK=block,
+        num_warps=_row_warps(widest),
+    )  # fmt: skip
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
