@@ -222,3 +222,14 @@ def test_eagle3_head_drafts_and_greedy_output_is_unchanged(tmp_path):
         assert llm.engine.scheduler.spec_totals.num_draft_tokens > 0
         # Colocated, every prompt row went through the target here: the head saw them all.
         assert llm.engine.core.proposer.num_unobserved_rows == 0
+
+
+def test_above_the_batch_limit_the_loop_overlaps_again(model):
+    llm = engine(model, **spec(speculative_max_batch=2))
+    scheduler = llm.engine.scheduler
+    for i, p in enumerate(prompts()):
+        llm.engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=6))
+    assert not scheduler.may_speculate()  # nothing runs yet: the prompts' step overlaps
+    llm.engine.step()
+    assert len(scheduler.running) == 5 and not scheduler.may_speculate()
+    assert not llm.engine.core._needs_host_tokens()
