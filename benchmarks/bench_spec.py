@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -55,7 +56,7 @@ METHODS = ("draft", "eagle3")
 
 def oracle_point(bench: Bench, batch: int, k: int) -> dict[str, Any]:
     a = bench.args
-    off = bench.off_run(batch)
+    off = bench.off_run(batch, reference=True)
     engine = bench.engine("ngram", k)
     bench.warm(engine, batch, FixedDraftProposer(bench.vocab))
     tag = f"or{batch}k{k}"
@@ -75,7 +76,9 @@ def oracle_point(bench: Bench, batch: int, k: int) -> dict[str, Any]:
         "off_tokens_per_s": off["tokens_per_s"],
         "on_tokens_per_s": on["tokens_per_s"],
         "speedup": on["tokens_per_s"] / off["tokens_per_s"],
-        "identical_outputs": sum(x == y for x, y in zip(on["outputs"], off["outputs"])),
+        "identical_outputs": sum(
+            x == y for x, y in zip(on["outputs"], off["outputs"], strict=True)
+        ),
         "off_track": len(oracle.off_track),
     }
     print(f"oracle b{batch} k{k}: {_short(row)}", flush=True)
@@ -147,11 +150,12 @@ def part_method(bench: Bench, result: dict[str, Any], method: str) -> None:
 
 
 def _short(row: dict[str, Any]) -> str:
-    return ", ".join(
-        f"{k} {v * 1e3:.2f} ms" if k.endswith("_s") and isinstance(v, float) else
-        f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
-        for k, v in row.items() if v is not None
-    )  # fmt: skip
+    def show(key: str, value: Any) -> str:
+        if isinstance(value, float) and key.endswith("_s") and not key.endswith("per_s"):
+            return f"{key} {value * 1e3:.2f} ms"
+        return f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}"
+
+    return ", ".join(show(k, v) for k, v in row.items() if v is not None)
 
 
 def write_spec_models(args: argparse.Namespace, work: Path) -> dict[str, Path]:
@@ -188,7 +192,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--oracle-model", default="context-free", choices=["context-free", "as-is"])
     ap.add_argument("--verify-batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--verify-ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7])
-    ap.add_argument("--oracle-batches", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--oracle-batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--method-batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--sweep-ks", type=int, nargs="+", default=[2, 3, 5])
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens of steady runs")
@@ -222,7 +226,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="bench_spec_"))
+    work = Path(tempfile.mkdtemp(prefix="bench_spec_"))  # random checkpoints, removed at exit
+    try:
+        return run(args, out, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, out: Path, work: Path) -> dict[str, Any]:
     if args.smoke:
         tiny = sm.TINY_LLAMA_TARGET if "eagle3" in args.parts else sm.TINY_QWEN_TARGET
         args.model = str(sm.write_config(work / "target", tiny))
@@ -234,7 +245,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ceilings": measure_ceilings() if args.device != "cpu" else None,
         "errors": {},
     }
-    bench = Bench(args, write_spec_models(args, work))
+    try:
+        bench = Bench(args, write_spec_models(args, work))
+    except Exception as exc:
+        result["errors"]["setup"] = f"{type(exc).__name__}: {exc}"
+        out.write_text(json.dumps(result, indent=1))
+        raise
     result["engine"] = bench.info
     print("engine:", bench.info, flush=True)
     runs = {
@@ -246,15 +262,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     for part in (p for p in PARTS if p in args.parts):
         print(f"=== {part} ({time.monotonic() - bench.start:.0f}s)", flush=True)
+        failed = False
         try:
             runs[part]()
         except Exception as exc:  # one part failing leaves the others' results
             traceback.print_exc()
             result["errors"][part] = f"{type(exc).__name__}: {exc}"
-            bench.reset()
-        result["off"] = {b: {k: v for k, v in r.items() if k != "outputs"}
-                         for b, r in bench.off_runs.items()}  # fmt: skip
+            failed = True
+        result["off"] = [{k: v for k, v in r.items() if k != "outputs"} | {"batch": b}
+                         for b, by_weights in bench.off_runs.items() for r in by_weights.values()]  # fmt: skip
         out.write_text(json.dumps(result, indent=1))
+        if failed:
+            bench.reset()
     print(f"wrote {out}")
     print(tables([result]))
     return result

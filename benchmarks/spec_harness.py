@@ -73,9 +73,19 @@ class Bench:
         self.args = args
         self.spec_models = spec_models
         self.start = time.monotonic()
-        batches = args.verify_batches + args.oracle_batches + args.method_batches
-        self.max_batch = max(batches)
-        self.max_k = max(args.verify_ks + args.sweep_ks + [args.k])
+        parts = set(args.parts)
+        batches = [
+            *(args.oracle_batches if parts & {"oracle", "sweep"} else ()),
+            *(args.verify_batches if "verify" in parts else ()),
+            *(args.method_batches if parts & {"draft", "eagle3"} else ()),
+        ]
+        self.max_batch = max(batches, default=1)
+        ks = [
+            args.k,
+            *(args.verify_ks if "verify" in parts else ()),
+            *(args.sweep_ks if "sweep" in parts else ()),
+        ]
+        self.max_k = max(ks)
         self.options = dict(
             model=args.model,
             load_format="dummy",
@@ -88,16 +98,18 @@ class Bench:
             speculative_max_batch=self.max_batch,
         )
         # The worker is built with the widest speculative config (its decode graphs hold
-        # max_batch x (K + 1) rows); EAGLE-3 turns the target's aux outputs on at build.
-        method = "eagle3" if "eagle3" in spec_models else "ngram"
-        k = args.k if method == "eagle3" else self.max_k
+        # max_batch x (K + 1) rows) and loads the draft model or EAGLE-3 head, if any (the
+        # one proposer every engine of that method shares; EAGLE-3 turns the target's aux
+        # outputs on).
+        method = next(iter(spec_models), "ngram")
         self.engines: dict[tuple[str, int, bool], LLMEngine] = {}
-        first = LLMEngine(self._config(method, k, overlap=False))
+        self.observers: dict[int, Any] = {}  # id(engine) -> the runner's aux observer for it
+        first = LLMEngine(self._config(method, self.max_k, overlap=False))
         self.worker = first.worker
-        self._register((method, k, False), first)
         self.cuda = self.worker.device.type == "cuda"
+        self._register((method, self.max_k, False), first)
         self.vocab = self.worker.runtime.vocab_size
-        self.off_runs: dict[int, dict[str, Any]] = {}
+        self.off_runs: dict[int, dict[str, dict[str, Any]]] = {}  # batch -> weights -> run
         self.warmed: set[tuple] = set()
         self.weights_state = "as-is"
         self.info = self._info()
@@ -113,7 +125,15 @@ class Bench:
     def _register(self, key: tuple[str, int, bool], engine: LLMEngine) -> None:
         if key[0] in ("draft", "eagle3"):
             engine.core.proposer = TimedProposer(engine.core.proposer, self.cuda)
+        # Building an EAGLE-3 engine points the shared runner at the head's `observe`; the
+        # other engines run without it (`use`), as a worker without a head would.
+        self.observers[id(engine)] = self.worker.runner.aux_observer if key[0] == "eagle3" else None
         self.engines[key] = engine
+
+    def use(self, engine: LLMEngine) -> LLMEngine:
+        """`engine`, with the runner's aux observer set for it."""
+        self.worker.runner.aux_observer = self.observers[id(engine)]
+        return engine
 
     def engine(self, method: str = "none", k: int = 0, overlap: bool = False) -> LLMEngine:
         key = (method, k, overlap)
@@ -143,6 +163,11 @@ class Bench:
             "kv_bytes_per_token": w.spec.kv_bytes_per_token(w.kv_cache.pool.element_size()),
             "num_kv_blocks": rt.num_kv_blocks,
             "decode_graph_sizes": list(rt.cuda_graph_sizes),
+            "prefill_graph_buckets": list(rt.prefill_graph_buckets),
+            "speculative_method": w.config.speculative.speculative_method,
+            # EAGLE-3: the target keeps these layers' inputs in every forward, also in the
+            # engines that do not draft (their steps pay for it; the observer is off)
+            "aux_hidden_layers": list(getattr(w.model.model, "aux_hidden_layers", ())),
         }
 
     # -- the two ways of running requests ---------------------------------------------------
@@ -150,6 +175,7 @@ class Bench:
         """Median wall time of one `engine.step()` with `batch` requests decoding (prompts of
         --context tokens, none finishing while timed)."""
         a = self.args
+        self.use(engine)
         max_tokens = (a.warmup + a.steps + 4) * (k + 1) + 8
         prompts = self.prompts(batch, a.context, seed=batch)
         seqs = [engine.add_request(f"{tag}-{i}", p, greedy(max_tokens)) for i, p in enumerate(prompts)]  # fmt: skip
@@ -183,6 +209,7 @@ class Bench:
         """Greedy requests, at most `batch` at a time, the next joining as one ends: output
         tok/s over the whole run (prefills included)."""
         queue, seqs = deque(range(len(prompts))), []
+        self.use(engine)
         self.sync()
         begin = time.perf_counter()
         while queue or engine.has_unfinished():
@@ -214,28 +241,36 @@ class Bench:
         return self.prompts(n, a.prompt_len, seed=1000 + batch), lengths.tolist()
 
     def warm(self, engine: LLMEngine, batch: int, proposer: Any = None) -> None:
-        """One short run at `batch` per engine (kernels compiled, allocator warm)."""
+        """Once per engine and batch: a short run of the workload's shapes (batch + 1 prompts
+        of --prompt-len, one joining mid-run, 8 tokens each), so no compile or first-use cost
+        lands in a timed run."""
         key = (id(engine), batch)
         if key in self.warmed:
             return
         own = engine.core.proposer
         if proposer is not None:
             engine.core.proposer = proposer
-        self.waves(engine, self.prompts(batch, 32, seed=5), [8] * batch, batch, f"warm{len(self.warmed)}")  # fmt: skip
+        prompts = self.prompts(batch + 1, self.args.prompt_len, seed=5)
+        self.waves(engine, prompts, [8] * (batch + 1), batch, f"warm{len(self.warmed)}")
         engine.core.proposer = own
         self.warmed.add(key)
 
-    def off_run(self, batch: int) -> dict[str, Any]:
-        """Speculation off, the overlapped loop: the baseline, and the oracle's reference
-        (kept per batch and weights state)."""
-        run = self.off_runs.get(batch)
-        if run is None or run["weights"] != self.weights_state:
+    def off_run(self, batch: int, reference: bool = False) -> dict[str, Any]:
+        """Speculation off, the overlapped loop, on `workload(batch)`: the baseline (any run
+        at `batch` will do: the weights' values do not change the time) or, with `reference`,
+        the oracle's reference (a run under the current weights)."""
+        runs = self.off_runs.setdefault(batch, {})
+        run = runs.get(self.weights_state) if reference else next(iter(runs.values()), None)
+        if run is None:
             engine = self.engine("none", 0, overlap=True)
             self.warm(engine, batch)
-            run = self.waves(engine, *self.workload(batch), batch, f"off{batch}{self.weights_state}")
+            tag = f"off{batch}{self.weights_state}"
+            run = self.waves(engine, *self.workload(batch), batch, tag)
             run["weights"] = self.weights_state
-            self.off_runs[batch] = run
-            print(f"off b{batch}: {run['tokens_per_s']:.1f} tok/s", flush=True)
+            runs[self.weights_state] = run
+            print(
+                f"off b{batch} ({self.weights_state}): {run['tokens_per_s']:.1f} tok/s", flush=True
+            )
         return run
 
     def floor_s(self, rows: int, batch: int, context: float, ceil: dict | None) -> float | None:
@@ -266,7 +301,7 @@ class Bench:
         """Per request of --catchup-prompt tokens (the first one a warm-up): the target's prefill
         step, then the first propose (the proposer computes the prompt for itself) against
         the next ones; medians."""
-        a, proposer = self.args, engine.core.proposer
+        a, proposer = self.args, self.use(engine).core.proposer
         prefill, first, later = [], [], []
         for i, prompt in enumerate(self.prompts(a.catchup_requests + 1, a.catchup_prompt, 7)):
             seq = engine.add_request(f"{tag}-cu{i}", prompt, greedy(8 * (a.k + 1)))
@@ -296,6 +331,7 @@ class Bench:
     def reset(self) -> None:
         """After a failed part: abort every request of every engine, resolve what is in flight."""
         for engine in self.engines.values():
+            self.use(engine)
             for rid in list(engine.sequences):
                 engine.abort(rid)
             while engine.has_unfinished():

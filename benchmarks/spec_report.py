@@ -46,7 +46,9 @@ def verify_table(result: Result) -> list[str]:
         for k in ks:
             r = at.get((k, "sync"))
             ratio = r["step_s"] / sync["step_s"] if r and sync else None
-            line.append("-" if r is None else f"{ms(r['step_s'])} x{ratio:.2f} [{ms(r['floor_s'])}]")
+            line.append(
+                "-" if r is None else f"{ms(r['step_s'])} x{ratio:.2f} [{ms(r['floor_s'])}]"
+            )
         out.append(line)
     header = ["batch", "off ovl", "off sync", *(f"K={k}" for k in ks)]
     title = "verify step ms, x the synchronous plain step [floor ms]"
@@ -107,7 +109,10 @@ def catchup_table(result: Result) -> list[str]:
                      f"{ms(extra)} (x{extra / r['target_prefill_s']:.2f})"])  # fmt: skip
     header = ["method", "prompt", "target prefill ms", "first propose ms", "later ms",
               "catch-up ms (x prefill)"]  # fmt: skip
-    return ["catch-up: the first propose computes the prompt for the proposer", *_grid(header, body)]
+    return [
+        "catch-up: the first propose computes the prompt for the proposer",
+        *_grid(header, body),
+    ]
 
 
 def tables(results: list[Result]) -> str:
