@@ -51,7 +51,26 @@ from benchmarks.spec_oracle import FixedDraftProposer, OracleProposer  # noqa: E
 from benchmarks.spec_report import tables  # noqa: E402
 
 PARTS = ("oracle", "verify", "draft", "eagle3", "sweep")
-METHODS = ("draft", "eagle3")
+# --smoke: CPU, float32, tiny configs (written by the run) and sizes: every code path in seconds
+SMOKE = dict(
+    dtype="float32",
+    device="cpu",
+    kv_cache_memory_bytes=64 << 20,
+    verify_batches=[1, 3],
+    verify_ks=[1, 2],
+    oracle_batches=[1, 3],
+    method_batches=[1, 3],
+    sweep_ks=[2],
+    context=24,
+    steps=3,
+    warmup=1,
+    prompt_len=16,
+    output_range=[10, 16],
+    min_requests=2,
+    catchup_prompt=40,
+    catchup_requests=1,
+    max_num_batched_tokens=256,
+)
 
 
 def oracle_point(bench: Bench, batch: int, k: int) -> dict[str, Any]:
@@ -210,15 +229,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny configs: the code paths")
     ap.add_argument("--out", default="benchmarks/results/spec.json")
     args = ap.parse_args(argv)
+    if args.smoke:  # tiny defaults; flags given explicitly still win
+        ap.set_defaults(**SMOKE)
+        args = ap.parse_args(argv)
     if "draft" in args.parts and "eagle3" in args.parts:
         ap.error("draft and eagle3 need different targets: run them in two processes")
-    if args.smoke:
-        args.dtype, args.device, args.kv_cache_memory_bytes = "float32", "cpu", 64 << 20
-        args.verify_batches, args.verify_ks, args.oracle_batches = [1, 3], [1, 2], [1, 3]
-        args.method_batches, args.sweep_ks, args.context = [1, 3], [2], 24
-        args.steps, args.warmup, args.prompt_len, args.output_range = 3, 1, 16, [10, 16]
-        args.min_requests, args.catchup_prompt, args.catchup_requests = 2, 40, 1
-        args.max_num_batched_tokens = 256
     return args
 
 
