@@ -19,7 +19,8 @@ Parts (--parts, run in this order; --out is rewritten as each one ends):
   of the target's shape in its published layout, for a Llama target): step and propose time,
   tok/s against off (acceptance ~0 with random weights), and the catch-up: the first propose
   of a request after a --catchup-prompt prompt, against the target's prefill of it.
-- sweep: the oracle at each K of --sweep-ks, while --budget-s lasts.
+- sweep: the oracle at each K of --sweep-ks and batch of --sweep-batches, while --budget-s
+  lasts.
 
     python benchmarks/bench_spec.py --out results/spec_q7.json                    # Qwen2.5-7B
     python benchmarks/bench_spec.py --model benchmarks/configs/llama-3.1-8b-instruct \\
@@ -61,6 +62,7 @@ SMOKE = dict(
     oracle_batches=[1, 3],
     method_batches=[1, 3],
     sweep_ks=[2],
+    sweep_batches=[1, 3],
     context=24,
     steps=3,
     warmup=1,
@@ -114,8 +116,8 @@ def part_oracle(bench: Bench, result: dict[str, Any]) -> None:
 def part_sweep(bench: Bench, result: dict[str, Any]) -> None:
     rows = result.setdefault("oracle", [])
     with bench.oracle_weights():
-        for batch in bench.args.oracle_batches:
-            for k in bench.args.sweep_ks:
+        for k in bench.args.sweep_ks:
+            for batch in bench.args.sweep_batches:
                 if bench.over_budget():
                     result.setdefault("skipped", []).append(f"sweep b{batch} k{k}: budget")
                     continue
@@ -214,6 +216,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--oracle-batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--method-batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--sweep-ks", type=int, nargs="+", default=[2, 3, 5])
+    ap.add_argument("--sweep-batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens of steady runs")
     ap.add_argument("--steps", type=int, default=20, help="timed steps of a steady run")
     ap.add_argument("--warmup", type=int, default=5)

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Speculative decoding on one H200 (issue 21) in one device call, ~4 minutes (at most ~8.5:
+# Speculative decoding on one H200 (issue 21) in one device call, ~5 minutes (at most ~8:
 # each step has its own timeout, and every JSON is rewritten as each of its parts ends, so a
 # killed step keeps what finished):
 #   q7: Qwen2.5-7B dummy target (bf16, CUDA graphs) with a random Qwen2.5-0.5B-config draft:
 #       oracle tok/s on / off at mean accepted length 3, K=4, batch 1, 8, 32; verify-step cost
 #       for K=1..7 at batch 1, 8, 32 against plain decode steps; the draft model's step,
 #       propose time and tok/s at batch 1 and 32, and its catch-up over a 2k prompt against
-#       the target's prefill; the oracle at K=2, 3, 5 while its 200 s budget lasts;
+#       the target's prefill; the oracle at K=2, 3, 5 (batch 1, 32) while its 180 s budget lasts;
 #   l8: Llama-3.1-8B dummy target with a random EAGLE-3 head of the published shape: the same
 #       as the draft model's, for the head;
 # then benchmarks/spec_report.py: the tables and the targets (x2.2 at batch 1, x1.6 at batch 32).
@@ -23,7 +23,7 @@ $PY -c "import torch, triton, transformers as t; print('torch', torch.__version_
   $PY -c "import torch; print('torch', torch.__version__)"
 status=0
 common=()
-Q7_S=${Q7_S:-300} L8_S=${L8_S:-200}
+Q7_S=${Q7_S:-280} L8_S=${L8_S:-180}
 if [ "${SMOKE:-0}" = 1 ]; then
   common=(--smoke)
   Q7_S=900 L8_S=900
@@ -45,7 +45,7 @@ step() { # step NAME SECONDS COMMAND...: its output in $OUT/NAME.log, the tail p
 PARTS=" ${PARTS:-q7 l8} "
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 if want q7; then
-  step spec_q7 "$Q7_S" $PY benchmarks/bench_spec.py --budget-s 200 --out "$OUT/spec_q7.json" \
+  step spec_q7 "$Q7_S" $PY benchmarks/bench_spec.py --budget-s 180 --out "$OUT/spec_q7.json" \
     "${common[@]}"
 fi
 if want l8; then

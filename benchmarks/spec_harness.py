@@ -75,7 +75,8 @@ class Bench:
         self.start = time.monotonic()
         parts = set(args.parts)
         batches = [
-            *(args.oracle_batches if parts & {"oracle", "sweep"} else ()),
+            *(args.oracle_batches if "oracle" in parts else ()),
+            *(args.sweep_batches if "sweep" in parts else ()),
             *(args.verify_batches if "verify" in parts else ()),
             *(args.method_batches if parts & {"draft", "eagle3"} else ()),
         ]
@@ -177,8 +178,10 @@ class Bench:
         a = self.args
         self.use(engine)
         max_tokens = (a.warmup + a.steps + 4) * (k + 1) + 8
-        prompts = self.prompts(batch, a.context, seed=batch)
-        seqs = [engine.add_request(f"{tag}-{i}", p, greedy(max_tokens)) for i, p in enumerate(prompts)]  # fmt: skip
+        seqs = [
+            engine.add_request(f"{tag}-{i}", prompt, greedy(max_tokens))
+            for i, prompt in enumerate(self.prompts(batch, a.context, seed=batch))
+        ]
         while any(s.num_computed_tokens < len(s.prompt_token_ids) for s in seqs):
             engine.step()
         for _ in range(a.warmup):
