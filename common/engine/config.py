@@ -223,12 +223,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
-        method = self.speculative.speculative_method
-        if method in ("draft", "eagle3") and self.tp > 1:
-            raise ValueError(
-                f"speculative_method={method} runs on one rank; this pool has tp={self.tp} "
-                "(ngram works with tensor parallelism)"
-            )
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:
