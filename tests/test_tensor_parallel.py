@@ -113,3 +113,23 @@ def test_a_process_that_never_closes_its_llm_exits_cleanly_and_takes_its_ranks(l
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0 and out.strip().startswith(b"[")
     assert not any(alive(pid) for pid in ranks)
+
+
+def test_speculative_verify_steps_at_tp2_equal_hf(llama):
+    """Verify steps (several decode rows per sequence, more logits rows than sampled items)
+    broadcast to the other rank; drafts accepted and rejected mid-run."""
+    from tests.test_spec_decode_engine import OracleProposer
+
+    folder, expected = llama
+    spec = dict(speculative_method="ngram", num_speculative_tokens=3)
+    with LLM(folder, tp=2, **OPTIONS, **spec) as llm:
+        reference = {tuple(p): out for p, out in zip(prompts(), expected, strict=True)}
+        llm.engine.core.proposer = OracleProposer(reference, wrong_every=3)
+        assert [o.token_ids for o in llm.generate(prompts(), greedy())] == expected
+        assert llm.engine.scheduler.spec_totals.num_accepted_tokens > 0
+
+
+def test_a_draft_model_with_tensor_parallelism_is_refused(llama):
+    folder, _ = llama
+    with pytest.raises(ValueError, match="tp=2"):
+        LLM(folder, tp=2, speculative_method="draft", speculative_model=folder, **OPTIONS)

@@ -126,6 +126,13 @@ class Worker:
         )
         self.spec: ModelSpec = read_spec(self.source)
         TPLayout.of(self.spec, config.tp)  # a TP size the model cannot split fails here
+        method = config.speculative.speculative_method
+        if drafts and method in ("draft", "eagle3") and config.tp > 1:
+            # Refused before any rank starts (a prefill pool, which never drafts, may be TP).
+            raise ValueError(
+                f"speculative_method={method} runs on one rank; this pool has tp={config.tp} "
+                "(ngram works with tensor parallelism)"
+            )
         self.ranks = None
         if config.tp > 1 and rank == 0:
             self.ranks = RankProcesses(config, role or RankRole())

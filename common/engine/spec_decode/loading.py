@@ -54,11 +54,7 @@ def load_proposer_weights(
     method = config.speculative_method
     if method not in ("draft", "eagle3"):
         return None
-    if tp > 1:
-        raise ValueError(
-            f"speculative_method={method} runs on one rank; this pool has tp={tp} "
-            "(ngram works with tensor parallelism)"
-        )
+    assert tp == 1, "Worker refuses a drafting pool of several ranks"
     max_positions = max_model_len + config.num_speculative_tokens
     source = resolve_model(config.speculative_model, dtype=str(dtype).removeprefix("torch."))
     if method == "draft":
