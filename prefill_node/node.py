@@ -43,7 +43,9 @@ class PrefillNode:
             fail_rate=node_config.fail_transfer_rate,
         )
         check_transport(node_config.transport, engine_config.tp)
-        self.worker = Worker(engine_config, RankRole(partial(prefill_rank_handler, transfer)))
+        self.worker = Worker(
+            engine_config, RankRole(partial(prefill_rank_handler, transfer)), drafts=False
+        )
         self.scheduler = Scheduler(
             engine_config.scheduler, self.worker.allocator, prefill_only=True
         )

@@ -175,3 +175,61 @@ def test_lookup_takes_the_longest_recurring_suffix_and_its_latest_occurrence():
     # min_n: a single-token suffix may match only when min_n is 1.
     assert lookup(np.array([8, 1, 9, 1]), 1, 2, 2) == [9, 1]
     assert lookup(np.array([8, 1, 9, 1]), 2, 2, 2) == []
+
+
+def test_a_draft_model_equal_to_the_target_has_every_draft_accepted(model):
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (3, 30, 1, 9, 17)]
+    plain = run(engine(model), params)
+    llm = engine(model, **spec(speculative_method="draft", speculative_model=model))
+    assert run(llm, params) == plain
+    totals = llm.engine.scheduler.spec_totals
+    assert totals.num_accepted_tokens == totals.num_draft_tokens > 0
+    # Proposer pool and target pool share the blocks: the budget paid for both.
+    plain_blocks = engine(model).engine.worker.allocator.num_blocks
+    assert llm.engine.worker.allocator.num_blocks < plain_blocks
+
+
+def test_eagle3_head_drafts_and_greedy_output_is_unchanged(tmp_path):
+    from transformers import LlamaConfig
+
+    from tests.test_spec_eagle3 import EPS, HEADS, INTER, KV_HEADS, TARGET_LAYERS, H, write_head
+    from tests.test_spec_eagle3 import VOCAB as EAGLE_VOCAB
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=EAGLE_VOCAB,
+        hidden_size=H,
+        intermediate_size=INTER,
+        num_hidden_layers=TARGET_LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=512,
+        initializer_range=0.25,
+        rms_norm_eps=EPS,
+    )
+    target = tmp_path / "target"
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(target)
+    write_head(tmp_path / "head")
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (2, 25, 1, 7, 12)]
+    plain = run(engine(str(target)), params)
+    for graphs in (False, True):
+        llm = engine(
+            str(target),
+            graphs,
+            **spec(speculative_method="eagle3", speculative_model=str(tmp_path / "head")),
+        )
+        assert run(llm, params) == plain
+        assert llm.engine.scheduler.spec_totals.num_draft_tokens > 0
+        # Colocated, every prompt row went through the target here: the head saw them all.
+        assert llm.engine.core.proposer.num_unobserved_rows == 0
+
+
+def test_above_the_batch_limit_the_loop_overlaps_again(model):
+    llm = engine(model, **spec(speculative_max_batch=2))
+    scheduler = llm.engine.scheduler
+    for i, p in enumerate(prompts()):
+        llm.engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=6))
+    assert not scheduler.may_speculate()  # nothing runs yet: the prompts' step overlaps
+    llm.engine.step()
+    assert len(scheduler.running) == 5 and not scheduler.may_speculate()
+    assert not llm.engine.core._needs_host_tokens()

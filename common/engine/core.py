@@ -14,8 +14,9 @@ strings, TokenBatch messages) run one step behind, while the device works. A seq
 stops at step N may have a row in step N+1: that row is dropped. Both modes produce the same
 tokens: the synchronous loop is the overlapped one with the wait moved up.
 
-Speculative decoding (a `Proposer`): steps run synchronously, since a proposer reads every
-token so far on the host. After `Scheduler.schedule` the proposer drafts tokens for the items
+Speculative decoding (a `Proposer`): steps that may speculate run synchronously, since a
+proposer reads every token so far on the host; above `speculative_max_batch` running sequences
+nothing is drafted and the loop overlaps again. After `Scheduler.schedule` the proposer drafts tokens for the items
 the scheduler allowed (`ScheduledBatch.spec_limits`), and the runner verifies them in the same
 forward; a row's output is then the list of tokens it emitted.
 """
@@ -130,10 +131,10 @@ class EngineCore:
     def _needs_host_tokens(self) -> bool:
         """A request with a grammar is in the scheduler: its matcher reads the tokens sampled so
         far on the host before its next mask (`common.engine.logits_processors`), so steps run
-        synchronously (no placeholder tokens) while one is there. So do all steps of a
-        speculating engine: its proposer reads every token so far."""
+        synchronously (no placeholder tokens) while one is there. So do steps that may
+        speculate: the proposer reads every token so far."""
         s = self.scheduler
-        if self.proposer is not None:
+        if self.proposer is not None and s.may_speculate():
             return True
         return any(
             seq.params.structured is not None

@@ -91,6 +91,9 @@ class Replay:
     output: torch.Tensor
     slot: StagingSlot
     generation: int
+    # The target's auxiliary hidden states of the step's rows, when the model keeps them
+    # (EAGLE-3: `LlamaModel.aux_hidden_layers`).
+    aux_hidden: torch.Tensor | None = None
 
     def release(self) -> None:
         self.slot.release(self.generation)
@@ -124,6 +127,7 @@ class DecodeGraphs:
         self.logits = torch.zeros(n, model.spec.vocab_size, dtype=torch.float32, device=device)
         self.staging = StagingRing(STAGING_DEPTH, n, self.max_blocks, pinned=self.on_cuda)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._aux: dict[int, torch.Tensor | None] = {}
         self.launches = 0  # steps served (tests and benchmarks read it)
 
     def _metadata(self, bs: int) -> AttentionMetadata:
@@ -149,6 +153,8 @@ class DecodeGraphs:
             **self.kv_cache.context_kwargs(),
         )
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], ctx)
+        # A captured graph rewrites the same aux tensor at every replay of this size.
+        self._aux[bs] = getattr(self.model.model, "aux_hidden", None)
         return self.model.compute_logits(hidden, out=self.logits[:bs])
 
     @torch.inference_mode()
@@ -217,7 +223,8 @@ class DecodeGraphs:
             slot.release(generation)
             raise
         self.launches += 1
-        return Replay(self.logits[:n], slot, generation)
+        aux = self._aux.get(bs)
+        return Replay(self.logits[:n], slot, generation, None if aux is None else aux[:n])
 
     def _stage_and_replay(
         self, slot: StagingSlot, bs: int, input_ids, positions, slots, seq_lens, block_tables,

@@ -100,13 +100,18 @@ def block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
 
 
 def num_blocks_for_budget(
-    spec: ModelSpec, block_size: int, dtype: torch.dtype, budget_bytes: int
+    spec: ModelSpec,
+    block_size: int,
+    dtype: torch.dtype,
+    budget_bytes: int,
+    extra_block_bytes: int = 0,
 ) -> int:
-    n = budget_bytes // block_bytes(spec, block_size, dtype) - 1  # one padding block
+    """Blocks of `spec`'s pool that fit `budget_bytes`; `extra_block_bytes`: what each block
+    also costs elsewhere (a speculative proposer's pool of the same blocks)."""
+    per_block = block_bytes(spec, block_size, dtype) + extra_block_bytes
+    n = budget_bytes // per_block - 1  # one padding block
     if n < 1:
-        raise ValueError(
-            f"KV budget of {budget_bytes} bytes holds no block of {block_bytes(spec, block_size, dtype)} bytes"
-        )
+        raise ValueError(f"KV budget of {budget_bytes} bytes holds no block of {per_block} bytes")
     return int(n)
 
 

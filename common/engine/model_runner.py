@@ -192,6 +192,9 @@ class ModelRunner:
         self._v_caches = kv_cache.v_caches
         self._kv_scales = kv_cache.context_kwargs()  # FP8 pools only
         self.link: StepDriver | None = None  # rank 0 of several: drives the other ranks
+        # EAGLE-3: called after every forward with each item's (request id, first position,
+        # rows) and the target's auxiliary hidden states of those rows.
+        self.aux_observer: Callable[..., None] | None = None
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> int:
         """Capture decode graphs (on CPU: set up their buffers, replays run eagerly); returns
@@ -318,6 +321,8 @@ class ModelRunner:
         if self.link is not None:
             self.link.send_step(h, int(on_layer_done is not None))
         handle.replay, logits = self._forward(h, fill, on_layer_done)
+        if self.aux_observer is not None:
+            self._observe(batch, handle.replay)
         try:
             self._sample(handle, batch, logits)
         except BaseException:
@@ -347,6 +352,15 @@ class ModelRunner:
         fill = self._fill(h, prev_ids) if h.fill_at else None
         replay, _ = self._forward(h, fill, on_layer_done)
         return replay
+
+    def _observe(self, batch: ScheduledBatch, replay: Replay | None) -> None:
+        aux = replay.aux_hidden if replay is not None else self.model.model.aux_hidden
+        counts = [
+            1 + len(batch.drafts_of(row)) if batch.drafts_of(row) else item.num_new_tokens
+            for row, item in enumerate(batch.items)
+        ]
+        ids = [item.seq.request_id for item in batch.items]
+        self.aux_observer(ids, [item.start for item in batch.items], counts, aux)
 
     def _fill(self, h: HostInputs, prev_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         at, src = self._tensor([h.fill_at, h.fill_from], torch.int64)  # one copy to the device

@@ -194,9 +194,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
         scheduled: set[str] = set()
-        speculate = (
-            self.num_speculative_tokens > 0 and len(self.running) <= self.speculative_max_batch
-        )
+        speculate = self._speculates(len(self.running))
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -241,6 +239,15 @@ class Scheduler:
         if not any(batch.spec_limits):
             batch.spec_limits = []
         return batch
+
+    def may_speculate(self) -> bool:
+        """The next `schedule` may give drafts (its running set will be small enough): the
+        engine then runs it synchronously, every token on the host for the proposer."""
+        room = max(0, self.config.max_num_seqs - len(self.running))
+        return self._speculates(len(self.running) + min(len(self.ready), room))
+
+    def _speculates(self, num_running: int) -> bool:
+        return self.num_speculative_tokens > 0 and 0 < num_running <= self.speculative_max_batch
 
     def _spec_limit(self, seq: Sequence, budget: int) -> int:
         """How many tokens a decode item may draft this step: within K, the token budget, its

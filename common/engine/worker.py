@@ -37,6 +37,7 @@ from common.engine.logits_processors import LogitsProcessors
 from common.engine.memory_probe import graph_margin, step_peak_bytes
 from common.engine.model_runner import ModelRunner
 from common.engine.sequence import Sequence
+from common.engine.spec_decode.loading import assemble, load_proposer_weights
 from common.engine.tp_link import StepDriver, StepFollower
 from common.engine.tp_ranks import RankHandler, RankProcesses, RankRole
 from common.model.attention import create_backend
@@ -109,9 +110,11 @@ class Worker:
         role: RankRole | None = None,
         rank: int = 0,
         init_method: str | None = None,
+        drafts: bool = True,
     ) -> None:
         """Rank 0 (the default) starts the other ranks, telling them their `role` (what
-        their node does with KV); rank r > 0 joins at `init_method`."""
+        their node does with KV); rank r > 0 joins at `init_method`. `drafts`: load the
+        speculative proposer's weights and pool (a prefill node never drafts)."""
         self.config = config
         mc, cc = config.model, config.cache
         self.device = pick_device(mc.device, rank, config.tp)
@@ -150,6 +153,18 @@ class Worker:
             tp=self.tp,
             quantization=mc.quantization,
         )
+        # Before the KV pool is sized: the GPU's warm-up peak then includes these weights.
+        self.proposer_weights = None
+        if drafts and rank == 0:
+            self.proposer_weights = load_proposer_weights(
+                config.speculative,
+                self.model,
+                self.source,
+                tp=config.tp,
+                max_model_len=max_len,
+                dtype=self.dtype,
+                device=self.device,
+            )
         self.kv_dtype = kv_cache_dtype(cc.kv_cache_dtype, self.dtype)
         # Only an FP8 pool asks the backends about its dtype: "auto" calls them as before.
         kv_arg = {"kv_dtype": self.kv_dtype} if self.kv_dtype != self.dtype else {}
@@ -166,6 +181,12 @@ class Worker:
             k_scales, v_scales,
         )  # fmt: skip
         self.allocator = BlockAllocator(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.proposer = None  # a draft model or EAGLE-3 head with its pool (n-gram: none)
+        if self.proposer_weights is not None:
+            self.proposer = assemble(
+                self.proposer_weights, num_blocks, cc.block_size, self.dtype, self.device,
+                self.backend,
+            )  # fmt: skip
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device)
         if self.tp.size > 1 and self.tp.is_driver:
             self.runner.link = StepDriver(self.tp, self.device)
@@ -176,7 +197,10 @@ class Worker:
         graph_bytes = prefill_graph_bytes = 0
         if self.use_graphs:
             graph_bytes = self.runner.capture_graphs(self._decode_graph_rows(), max_model_len)
-            if config.prefill_graph_max_tokens:
+            # EAGLE-3 reads the target's hidden states of every prompt token, which the
+            # piecewise prefill graphs do not keep: its prompts run eagerly.
+            eagle = config.speculative.speculative_method == "eagle3"
+            if config.prefill_graph_max_tokens and not eagle:
                 max_tokens = config.prefill_graph_max_tokens
                 prefill_graph_bytes = self.runner.capture_prefill_graphs(max_tokens)
         prefill = self.runner.prefill_graphs
@@ -295,7 +319,10 @@ class Worker:
                 budget -= self._graph_bytes()
         else:
             budget = DEFAULT_CPU_KV_BYTES
-        return num_blocks_for_budget(self.rank_spec, cc.block_size, self.kv_dtype, budget)
+        extra = 0
+        if self.proposer_weights is not None:
+            extra = self.proposer_weights.block_bytes(cc.block_size, self.dtype)
+        return num_blocks_for_budget(self.rank_spec, cc.block_size, self.kv_dtype, budget, extra)
 
     def _decode_graph_rows(self) -> int:
         """Most rows of a decode step: one per sequence, or with speculation one per verified

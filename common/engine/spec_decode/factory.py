@@ -35,4 +35,11 @@ def build_proposer(config: EngineConfig, worker: Worker) -> Proposer | None:
         return None
     if sc.speculative_method == "ngram":
         return NgramProposer(sc.speculative_ngram_min, sc.speculative_ngram_max)
-    raise ValueError(f"speculative method {sc.speculative_method!r} is not available yet")
+    if worker.proposer is None:
+        raise ValueError(
+            f"speculative_method={sc.speculative_method}: this worker was built without its "
+            "proposer (Worker(drafts=False))"
+        )
+    if sc.speculative_method == "eagle3":
+        worker.runner.aux_observer = worker.proposer.observe
+    return worker.proposer
