@@ -7,20 +7,29 @@ the tokens of the engine without speculation. The prompts ask the model to copy 
 lookup drafts and the target accepts: stop strings and max_tokens then fall inside accepted
 runs, and a grammar masks drafted positions. Whatever ends a request, the decode node holds no
 block afterwards.
+
+The draft method runs on real nodes in this process (a tiny random target, tiny drafts written
+here): the prefill node ships only the target's KV and the decode node computes the draft's.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
 
 from common import SamplingParams
 from common.text.tokenizer import apply_chat_template
+from tests.node_harness import engine_config, save_tiny_model
 from tests.pd_stack import PDStack
+from tests.test_spec_endings import Nodes, Stream, speculating
+from tests.tiny_models import TINY_SHAPE
 
 MODEL = "SmolLM2-135M-Instruct"
 TEXT = (
@@ -48,29 +57,40 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def one_thread_env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
+STACKS = {
+    "pd": (*NGRAM, "--decode-num-speculative-tokens", "4", "--prefill-num-speculative-tokens", "3"),
+    "colocated": ("--colocated", *NGRAM, "--num-speculative-tokens", "4"),
+}
 
 
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory):
-    log = tmp_path_factory.mktemp("pd-spec") / "launch.log"
-    stack = PDStack(
-        *NGRAM, "--decode-num-speculative-tokens", "4", "--prefill-num-speculative-tokens", "3",
-        log_path=log, env=one_thread_env(),
-    )  # fmt: skip
-    yield stack
-    assert stack.stop() == [], "processes left after Ctrl-C"
+def stacks(tmp_path_factory) -> dict[str, PDStack]:
+    """Both stacks, started side by side (a start mostly waits on model loads)."""
+    folder = tmp_path_factory.mktemp("spec-stacks")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # see one_thread
+    with ThreadPoolExecutor(len(STACKS)) as pool:
+        starts = {
+            name: pool.submit(PDStack, *flags, log_path=folder / f"{name}.log", env=env)
+            for name, flags in STACKS.items()
+        }
+    started = {name: f.result() for name, f in starts.items() if f.exception() is None}
+    try:
+        for f in starts.values():
+            f.result()  # the first start that failed raises here
+        yield started
+    finally:
+        left = [pid for stack in started.values() for pid in stack.stop()]
+        assert left == [], "processes left after Ctrl-C"
 
 
 @pytest.fixture(scope="module")
-def colocated(tmp_path_factory):
-    log = tmp_path_factory.mktemp("colocated-spec") / "launch.log"
-    stack = PDStack(
-        "--colocated", *NGRAM, "--num-speculative-tokens", "4", log_path=log, env=one_thread_env()
-    )
-    yield stack
-    assert stack.stop() == [], "processes left after Ctrl-C"
+def pd(stacks) -> PDStack:
+    return stacks["pd"]
+
+
+@pytest.fixture(scope="module")
+def colocated(stacks) -> PDStack:
+    return stacks["colocated"]
 
 
 def chat(stack: PDStack, content: str, **body) -> dict:
@@ -125,15 +145,17 @@ def test_pd_speculating_greedy_equals_colocated_speculating_and_no_speculation(
 
 def test_pd_speculating_seeded_sampling_equals_colocated_speculating(pd, colocated):
     """The prefill node draws the first token, the decode node verifies the rest; every draw
-    is keyed by the request's seed and its index, so both stacks draw the same tokens."""
-    knobs = dict(temperature=0.8, top_p=0.9, seed=1234, max_tokens=32, ignore_eos=True)
-    for content in (COPY, QUESTION):
-        remote = chat(pd, content, **knobs)
-        together = chat(colocated, content, **knobs)
-        assert text(remote) == text(together)
+    is keyed by the request's seed (plus the sample's index) and its position, so both stacks
+    draw the same tokens, for each of n samples."""
+    knobs = dict(temperature=0.8, top_p=0.9, seed=1234, max_tokens=24, ignore_eos=True)
+    for content, n in ((COPY, 2), (QUESTION, 1)):
+        remote = chat(pd, content, n=n, **knobs)
+        together = chat(colocated, content, n=n, **knobs)
+        texts = [text(remote, i) for i in range(n)]
+        assert texts == [text(together, i) for i in range(n)]
         assert remote["timing"]["spec_decode"] == together["timing"]["spec_decode"]
-        assert remote["usage"]["completion_tokens"] == 32
-    assert remote["timing"]["spec_decode"]["num_drafts"] > 0
+        assert remote["usage"]["completion_tokens"] == 24 * n
+        assert remote["timing"]["spec_decode"]["num_drafts"] > 0
 
 
 def test_n_greedy_samples_each_equal_the_unspeculated_text(pd, smollm_llm):
@@ -186,3 +208,62 @@ def test_client_disconnect_mid_stream_while_speculating_frees_the_decode_nodes_b
         assert any(line.startswith("data:") for line in received)
     decode_pool_empty(pd)
     assert pd.node("prefill")["load"]["running"] == 0
+
+
+# -- the draft method: real nodes in this process (tests/test_spec_endings.py's `Nodes`) -----
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> str:
+    return save_tiny_model(tmp_path_factory.mktemp("draft-target"))
+
+
+def save_draft(folder, seed: int) -> str:
+    """A tiny random draft with the target's vocabulary (and EOS ids), one layer."""
+    torch.manual_seed(seed)
+    shape = {**TINY_SHAPE, "num_hidden_layers": 1}
+    config = Qwen2Config(vocab_size=256, max_position_embeddings=256, **shape)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    return str(folder)
+
+
+def serve_all(nodes: Nodes, params: SamplingParams) -> dict[tuple[str, int], Stream]:
+    try:
+        for rid, prompt in DRAFT_PROMPTS.items():
+            nodes.send(rid, prompt, params)
+        nodes.run()
+        assert not nodes.errors, nodes.errors
+        nodes.assert_nothing_held()
+        return nodes.streams
+    finally:
+        nodes.close()
+
+
+DRAFT_PROMPTS = {"a": list(range(10, 50)), "b": [7, 3, 9, 200, 41] * 5, "c": [5, 6]}
+
+
+@pytest.mark.parametrize("draft", ["target-copy", "other"])
+def test_pd_with_a_draft_model_gives_the_unspeculated_greedy_tokens(target_dir, tmp_path, draft):
+    """The prefill node ships the target's KV only; the decode node computes the draft's prompt
+    KV itself on a request's first verify step. With the target's own weights as the draft, its
+    drafts are the target's greedy tokens, so they are all accepted only if that prompt KV is
+    right; another random draft is mostly rejected. Either way the tokens are the unspeculated
+    ones, as on a colocated node drafting the same way."""
+    draft_dir = tmp_path / draft
+    if draft == "target-copy":
+        shutil.copytree(target_dir, draft_dir)
+    else:
+        save_draft(draft_dir, seed=1)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = engine_config(target_dir)
+    spec = speculating(plain, speculative_method="draft", speculative_model=str(draft_dir))
+    want = serve_all(Nodes(tmp_path, "plain", plain, pd=False), params)
+    pd_streams = serve_all(Nodes(tmp_path, "pd", spec, pd=True), params)
+    colocated_streams = serve_all(Nodes(tmp_path, "colocated", spec, pd=False), params)
+    for key, stream in want.items():
+        assert pd_streams[key].token_ids == stream.token_ids, key
+        assert colocated_streams[key].spec_decode == pd_streams[key].spec_decode, key
+    counts = [pd_streams[rid, 0].spec_decode for rid in DRAFT_PROMPTS]
+    assert all(c["num_drafts"] > 0 for c in counts), counts
+    if draft == "target-copy":
+        assert all(c["num_accepted_tokens"] == c["num_draft_tokens"] for c in counts), counts
