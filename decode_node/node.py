@@ -11,7 +11,7 @@ from typing import Any
 from common.engine.config import EngineConfig
 from common.engine.core import EngineCore
 from common.engine.scheduler import SampledToken, ScheduledBatch
-from common.engine.sequence import Sequence, SequenceStatus
+from common.engine.sequence import Sequence
 from common.engine.spec_decode.factory import build_proposer, decoding_scheduler
 from common.engine.worker import Worker
 from common.node.channel import NodeChannel, runtime_info
@@ -153,7 +153,8 @@ class DecodeNode:
                 continue
             rows = out.new_tokens()
             if rows:
-                self.channel.to_router(self._token_batch(rows))
+                ended = {seq.request_id for seq in out.finished}
+                self.channel.to_router(self._token_batch(rows, ended))
 
     def _mark_first_step(self, batch: ScheduledBatch) -> None:
         now = time.monotonic()
@@ -168,9 +169,13 @@ class DecodeNode:
                 # request share its blocks and run from the next step.
                 choices.fork(self.scheduler, req, item.seq)
 
-    def _token_batch(self, rows: list[tuple[Sequence, SampledToken]]) -> TokenBatch:
+    def _token_batch(
+        self, rows: list[tuple[Sequence, SampledToken]], ended: set[str]
+    ) -> TokenBatch:
         """One step's outputs, column-wise; the first output of a request carries its timing,
-        a speculating sample's last output its speculative decoding counts."""
+        a speculating sample's last output its speculative decoding counts. `ended`: the
+        samples that finished at this step (one `EngineCore.step` may return two steps' outputs,
+        and by then a sample may have finished at the later one)."""
         ids, tokens, reasons, indices, timing = [], [], [], [], {}
         logprobs: list[float | None] | None = None
         tops: list | None = None
@@ -186,7 +191,7 @@ class DecodeNode:
             tokens.append(token.token_id)
             if req is not None and not req.timing.sent_first:
                 timing[rid] = self._first_report(req)
-            finished = seq.status is SequenceStatus.FINISHED and last_row[seq.request_id] == i
+            finished = seq.request_id in ended and last_row[seq.request_id] == i
             reasons.append(seq.finish_reason.value if finished and seq.finish_reason else None)
             if finished and speculating:
                 specs = specs or [None] * len(rows)
