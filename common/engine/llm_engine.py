@@ -75,12 +75,16 @@ class LLMEngine:
         for out in self.core.step():
             if out.error is not None:
                 raise out.error  # offline: a failing model step is the caller's error
+            # One call may return two steps (the one in flight, then a synchronous one): a
+            # sequence finished in the step that lists it in `finished`, not before.
+            ended = {id(seq) for seq in out.finished}
             for item, tokens in zip(out.batch.items, out.sampled, strict=True):
                 if not tokens:
                     continue
                 seq = item.seq
-                events.append(StepEvent(seq, [t.token_id for t in tokens], seq.is_finished))
-                if seq.is_finished:
+                finished = id(seq) in ended
+                events.append(StepEvent(seq, [t.token_id for t in tokens], finished))
+                if finished:
                     self.sequences.pop(seq.request_id, None)
                     self.core.release(seq.request_id)
         return events
