@@ -174,7 +174,7 @@ class DraftModelProposer:
         """Catch up on each sequence's tokens the draft has not seen; its greedy next token
         (device). Decode rows in a graph when they fit, else one eager forward (a prompt)."""
         states = [self._catch_up(seq) for seq in seqs]
-        pending = sum(seq.num_tokens - state.seen for seq, state in zip(seqs, states))
+        pending = sum(seq.num_tokens - state.seen for seq, state in zip(seqs, states, strict=True))
         graphs = self.graphs
         rows = PagedRows(self.block_size)
         for seq, state, k in zip(seqs, states, ks, strict=True):
