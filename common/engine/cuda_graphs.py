@@ -36,6 +36,24 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes + [max_num_seqs]))
 
 
+def advance_rows(
+    vectors: torch.Tensor, block_tables: torch.Tensor, n: int, bs: int, block_size: int,
+    padding_slot: int,
+) -> None:  # fmt: skip
+    """Move staged decode rows [ids, positions, slots, context lengths] one position on, on
+    the device: rows 0..n-1 (their block tables hold the next position) advance, rows n..bs-1
+    become padding. The ids are the caller's to write."""
+    positions = vectors[1, :n]
+    positions += 1
+    vectors[3, :n] += 1
+    blocks = block_tables[:n].gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
+    vectors[2, :n] = blocks * block_size + positions % block_size
+    if bs > n:
+        vectors[0:2, n:bs] = 0
+        vectors[2, n:bs] = padding_slot
+        vectors[3, n:bs] = 1
+
+
 class StagingHazard(RuntimeError):
     """A staging buffer was about to be rewritten while a step that reads it may still run."""
 
@@ -225,6 +243,24 @@ class DecodeGraphs:
         self.launches += 1
         aux = self._aux.get(bs)
         return Replay(self.logits[:n], slot, generation, None if aux is None else aux[:n])
+
+    @torch.inference_mode()
+    def advance(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Replay the first n = len(`input_ids`) rows of the last `launch` one position further
+        on, fed `input_ids` (device); see `advance_rows`. No staging slot is taken and the
+        host reads nothing: a drafter's single-token steps, whose rows only shrink (a prefix)
+        as their draft limits run out. Returns [n, vocab] logits rows of the shared buffer."""
+        n = len(input_ids)
+        bs = self.padded_size(n)
+        advance_rows(self._vectors, self.block_tables, n, bs, self.kv_cache.block_size,
+                     self.kv_cache.padding_slot)  # fmt: skip
+        self.input_ids[:n].copy_(input_ids)
+        if self.on_cuda:
+            self.graphs[bs].replay()
+        else:
+            self._forward(bs)
+        self.launches += 1
+        return self.logits[:n]
 
     def _stage_and_replay(
         self, slot: StagingSlot, bs: int, input_ids, positions, slots, seq_lens, block_tables,

@@ -204,6 +204,10 @@ class Worker:
         graph_bytes = prefill_graph_bytes = 0
         if self.use_graphs:
             graph_bytes = self.runner.capture_graphs(self._decode_graph_rows(), max_model_len)
+            if self.proposer is not None:  # the drafter's own step graphs, as many rows
+                graph_bytes += self.proposer.capture_graphs(
+                    self._decode_graph_rows(), max_model_len
+                )
             # EAGLE-3 reads the target's hidden states of every prompt token, which the
             # piecewise prefill graphs do not keep: its prompts run eagerly.
             eagle = config.speculative.speculative_method == "eagle3"
@@ -346,6 +350,9 @@ class Worker:
         bs, n = self.config.cache.block_size, self._decode_graph_rows()
         kv = self.kv_dtype
         total = graph_margin(step_peak_bytes(self.model, self.backend, bs, [1] * n, kv))
+        weights = self.proposer_weights
+        if weights is not None and weights.method == "draft":  # its graphs' own pool
+            total += graph_margin(step_peak_bytes(weights.model, self.backend, bs, [1] * n))
         if self.config.prefill_graph_max_tokens:
             tokens = [self.config.prefill_graph_max_tokens]
             total += graph_margin(step_peak_bytes(self.model, self.backend, bs, tokens, kv))

@@ -11,8 +11,15 @@ rejected one-hot draft is never resampled). A preempted sequence starts over fro
 `propose` runs, batched over the speculating sequences: one forward over each sequence's
 tokens the draft has not seen (for a new request its whole prompt: on a decode node the draft
 computes the prompt's KV itself, since none is shipped for it), draft 1 is the argmax of each
-last row; then `limit - 1` single-token steps (eager) for drafts 2..limit. Drafts are argmaxes,
-so `Drafts.probs` is None.
+last row; then `limit - 1` single-token steps for drafts 2..limit. Drafts are argmaxes, so
+`Drafts.probs` is None.
+
+Speed (`capture_graphs`, called by the Worker with the target's graphs): the catch-up runs as
+decode rows (each attends up to its own position, as the runner's verify rows) in the draft's
+`DecodeGraphs` when they fit, eagerly otherwise (a prompt); the single-token steps replay the
+same graphs, the first staged from the host, later ones moved on the device
+(`DecodeGraphs.advance`). Drafted ids stay on the device until the end of `propose`, which
+reads them all with its one host sync.
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ from pathlib import Path
 import torch
 
 from common.engine.config import SpeculativeConfig
+from common.engine.cuda_graphs import DecodeGraphs, Replay
 from common.engine.kv_cache import KVCache
+from common.engine.model_runner import block_table_key
 from common.engine.scheduler import ScheduledBatch
 from common.engine.sequence import PLACEHOLDER, Sequence
 from common.engine.spec_decode.paged import PagedRows, ProposerPool, draft_blocks
@@ -78,6 +87,8 @@ class DraftModelProposer:
         # which only costs acceptance.
         self.vocab_size = model.spec.vocab_size
         self._states: dict[str, _DraftState] = {}
+        self.graphs: DecodeGraphs | None = None  # set by `capture_graphs`
+        self._arange: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -115,34 +126,112 @@ class DraftModelProposer:
     def release(self, request_id: str) -> None:
         self._states.pop(request_id, None)
 
+    def capture_graphs(self, max_rows: int, max_model_len: int) -> int:
+        """Decode graphs of the draft over its pool for up to `max_rows` rows (the target's
+        decode graph rows); on CPU their buffers only, replays run eagerly. Returns bytes."""
+        model, pool = self.model, self.pool
+        self.graphs = DecodeGraphs(model, pool.backend, pool.kv_cache, max_rows, max_model_len,
+                                   model.spec.head_dim**-0.5)  # fmt: skip
+        self._arange = torch.arange(self.graphs.max_batch, device=pool.device)
+        return self.graphs.capture()
+
     @torch.inference_mode()
     def propose(self, batch: ScheduledBatch, limits: list[int]) -> Drafts:
         if len(limits) != len(batch.items):
             raise ValueError(f"{len(limits)} limits for {len(batch.items)} batch items")
         drafts: list[list[int]] = [[] for _ in batch.items]
-        active = [i for i, k in enumerate(limits) if k > 0]
+        # Longest limit first: the sequences still drafting at every step are a prefix.
+        active = sorted((i for i, k in enumerate(limits) if k > 0), key=lambda i: -limits[i])
         if not active:
             return Drafts(drafts)
-        seqs = {i: batch.items[i].seq for i in active}
-        rows = PagedRows(self.block_size)
-        for i in active:
-            seq = seqs[i]
-            state = self._catch_up(seq)
-            tokens = [t if t < self.vocab_size else 0 for t in seq.all_token_ids[state.seen :]]
-            rows.add(tokens, state.seen, draft_blocks(seq, limits[i], self.block_size))
-        for i, token in zip(active, self._argmax(rows), strict=True):
-            drafts[i].append(token)
-        for step in range(1, max(limits[i] for i in active)):
-            live = [i for i in active if limits[i] > step]
-            rows = PagedRows(self.block_size)
-            for i in live:
-                rows.add([drafts[i][-1]], seqs[i].num_tokens + step - 1, seqs[i].block_ids)
-            for i, token in zip(live, self._argmax(rows), strict=True):
-                drafts[i].append(token)
-        for i in active:
-            state = self._states[seqs[i].request_id]
-            state.seen, state.fed = seqs[i].num_tokens, drafts[i][:-1]
+        seqs = [batch.items[i].seq for i in active]
+        ks = [limits[i] for i in active]
+        replays: list[Replay] = []
+        try:
+            steps = [self._first_drafts(seqs, ks, replays)]
+            for step in range(1, ks[0]):
+                live = sum(k > step for k in ks)
+                steps.append(self._next_drafts(seqs, step, steps[-1][:live], replays))
+            # The one host sync of a propose: every step's drafts at once.
+            flat = torch.cat(steps).tolist()
+        except BaseException:
+            self._release(replays, failed=True)
+            raise
+        self._release(replays, failed=False)
+        at = 0
+        for step in steps:
+            for r in range(len(step)):
+                drafts[active[r]].append(flat[at + r])
+            at += len(step)
+        for i, seq in zip(active, seqs, strict=True):
+            state = self._states[seq.request_id]
+            state.seen, state.fed = seq.num_tokens, drafts[i][:-1]
         return Drafts(drafts)
+
+    def _first_drafts(
+        self, seqs: list[Sequence], ks: list[int], replays: list[Replay]
+    ) -> torch.Tensor:
+        """Catch up on each sequence's tokens the draft has not seen; its greedy next token
+        (device). Decode rows in a graph when they fit, else one eager forward (a prompt)."""
+        states = [self._catch_up(seq) for seq in seqs]
+        pending = sum(seq.num_tokens - state.seen for seq, state in zip(seqs, states, strict=True))
+        graphs = self.graphs
+        rows = PagedRows(self.block_size)
+        for seq, state, k in zip(seqs, states, ks, strict=True):
+            tokens = [t if t < self.vocab_size else 0 for t in seq.all_token_ids[state.seen :]]
+            blocks = draft_blocks(seq, k, self.block_size)
+            if graphs is not None and graphs.fits(pending):
+                rows.add_decode_rows(tokens, state.seen, blocks, block_table_key(seq))
+            else:
+                rows.add(tokens, state.seen, blocks)
+        last = self.pool.last_rows(rows)
+        if rows.row_keys:
+            replay = graphs.launch(rows.input_ids, rows.positions, rows.slots, rows.seq_lens,
+                                   rows.block_tables, rows.row_keys)  # fmt: skip
+            replays.append(replay)
+            return replay.output.index_select(0, last).argmax(dim=-1)
+        ids, positions, ctx = self.pool.inputs(rows)
+        hidden = self.model(ids, positions, ctx).index_select(0, last)
+        return self.model.compute_logits(hidden).argmax(dim=-1)
+
+    def _next_drafts(
+        self, seqs: list[Sequence], step: int, previous: torch.Tensor, replays: list[Replay]
+    ) -> torch.Tensor:
+        """Draft `step + 1` of the first len(`previous`) sequences, fed their draft `step`
+        (device ids): a graph replay, the first one staged, later ones moved on the device."""
+        live = len(previous)
+        graphs = self.graphs
+        if graphs is not None and graphs.fits(live):
+            if step > 1:
+                return graphs.advance(previous).argmax(dim=-1)
+            positions = [seq.num_tokens for seq in seqs[:live]]
+            blocks = [seq.block_ids for seq in seqs[:live]]
+            bs = self.block_size
+            replay = graphs.launch(
+                [0] * live,
+                positions,
+                [b[p // bs] * bs + p % bs for p, b in zip(positions, blocks, strict=True)],
+                [p + 1 for p in positions],
+                blocks,
+                [block_table_key(seq) for seq in seqs[:live]],
+                fill_ids=(self._arange[:live], previous),
+            )
+            replays.append(replay)
+            return replay.output.argmax(dim=-1)
+        rows = PagedRows(self.block_size)
+        for seq in seqs[:live]:
+            rows.add([0], seq.num_tokens + step - 1, seq.block_ids)
+        _, positions, ctx = self.pool.inputs(rows)
+        hidden = self.model(previous, positions, ctx)
+        return self.model.compute_logits(hidden).argmax(dim=-1)
+
+    def _release(self, replays: list[Replay], failed: bool) -> None:
+        """Give the graphs' staging slots back: after the propose's sync they have been read;
+        after a failure, once the device has finished."""
+        if failed and replays and self.pool.device.type == "cuda":
+            torch.cuda.synchronize(self.pool.device)
+        for replay in replays:
+            replay.release()
 
     def _catch_up(self, seq: Sequence) -> _DraftState:
         """The request's state with `seen` advanced over the drafts that were accepted, and at
@@ -160,10 +249,3 @@ class DraftModelProposer:
         state.seen = min(state.seen + kept, seq.num_tokens - 1)
         state.fed = []
         return state
-
-    def _argmax(self, rows: PagedRows) -> list[int]:
-        """The draft model's greedy token after each sequence's last row."""
-        ids, positions, ctx = self.pool.inputs(rows)
-        hidden = self.model(ids, positions, ctx)
-        last = torch.tensor(rows.last_rows, device=hidden.device)
-        return self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()

@@ -22,6 +22,11 @@ prefill node, or consumed before a preemption) enters the head with a zero hidde
 drafts stay valid (verification keeps the output exact), acceptance is lower. Counted in
 `num_unobserved_rows`; feeding those states through `observe` (e.g. shipped with the KV)
 avoids it.
+
+Speed (`capture_graphs`, called by the Worker with the target's graphs): the first forward runs
+as decode rows in `HeadGraphs` when they fit (eagerly for a prompt), the single-token steps
+replay the same graphs (the first staged, later ones fed their own outputs on the device), and
+the drafted ids reach the host once, at the end of `propose`.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from common.engine.config import SpeculativeConfig
 from common.engine.kv_cache import KVCache
 from common.engine.scheduler import ScheduledBatch
 from common.engine.sequence import PLACEHOLDER, Sequence
+from common.engine.spec_decode.head_graphs import HeadGraphs
 from common.engine.spec_decode.paged import PagedRows, ProposerPool, draft_blocks
 from common.engine.spec_decode.proposer import Drafts
 from common.model.attention import AttentionBackend
@@ -89,6 +95,7 @@ class Eagle3Proposer:
         self.block_size = pool.kv_cache.block_size
         self.num_unobserved_rows = 0  # head rows run with a zero hidden state (see above)
         self._states: dict[str, _HeadState] = {}
+        self.graphs: HeadGraphs | None = None  # set by `capture_graphs`
         width = 3 * head.spec.target_hidden_size
         self._like = torch.empty(0, width, dtype=head.fc.weight.dtype, device=pool.device)
 
@@ -153,40 +160,94 @@ class Eagle3Proposer:
                 state.put(start, aux_hidden[row : row + n])
             row += n
 
+    def capture_graphs(self, max_rows: int, max_model_len: int) -> int:
+        """Graphs of the head's step for up to `max_rows` decode rows (`HeadGraphs`); on CPU
+        their buffers only. Returns bytes."""
+        self.graphs = HeadGraphs(self.head, self.pool, max_rows, max_model_len)
+        return self.graphs.capture()
+
     @torch.inference_mode()
     def propose(self, batch: ScheduledBatch, limits: list[int]) -> Drafts:
         if len(limits) != len(batch.items):
             raise ValueError(f"{len(limits)} limits for {len(batch.items)} batch items")
         drafts: list[list[int]] = [[] for _ in batch.items]
-        active = [i for i, k in enumerate(limits) if k > 0]
+        # Longest limit first: the sequences still drafting at every step are a prefix.
+        active = sorted((i for i, k in enumerate(limits) if k > 0), key=lambda i: -limits[i])
         if not active:
             return Drafts(drafts)
-        seqs = {i: batch.items[i].seq for i in active}
+        seqs = [batch.items[i].seq for i in active]
+        ks = [limits[i] for i in active]
+        ids, hidden = self._first_drafts(seqs, ks)
+        steps = [ids]
+        for step in range(1, ks[0]):
+            live = sum(k > step for k in ks)
+            ids, hidden = self._next_drafts(seqs, step, ids[:live], hidden[:live])
+            steps.append(ids)
+        flat = torch.cat(steps).tolist()  # the one host sync of a propose
+        at = 0
+        for step_ids in steps:
+            for r in range(len(step_ids)):
+                drafts[active[r]].append(flat[at + r])
+            at += len(step_ids)
+        return Drafts(drafts)
+
+    def _first_drafts(
+        self, seqs: list[Sequence], ks: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the head over each sequence's positions seen..n-2; (draft 1 of each, the
+        prenorm state of its last row), on the device. Decode rows in a graph when they fit,
+        else one eager forward (a prompt)."""
+        states = [self._state(seq) for seq in seqs]
+        begins = [min(st.seen, seq.num_tokens - 2) for seq, st in zip(seqs, states, strict=True)]
+        pending = sum(seq.num_tokens - 1 - b for seq, b in zip(seqs, begins, strict=True))
+        graph = self.graphs is not None and self.graphs.fits(pending)
         rows, aux = PagedRows(self.block_size), []
-        for i in active:
-            seq = seqs[i]
-            tokens, n, state = seq.all_token_ids, seq.num_tokens, self._state(seq)
+        for seq, state, begin, k in zip(seqs, states, begins, ks, strict=True):
+            tokens, n = seq.all_token_ids, seq.num_tokens
             assert PLACEHOLDER not in tokens[state.seen :], "speculation needs host tokens"
-            begin = min(state.seen, n - 2)
             hidden, unobserved = state.take(begin, n - 1, self._like)
             self.num_unobserved_rows += unobserved
             aux.append(hidden)
-            rows.add(tokens[begin + 1 : n], begin, draft_blocks(seq, limits[i], self.block_size))
+            blocks = draft_blocks(seq, k, self.block_size)
+            if graph:
+                rows.add_decode_rows(tokens[begin + 1 : n], begin, blocks, ())
+            else:
+                rows.add(tokens[begin + 1 : n], begin, blocks)
             state.seen = n - 1
-        tokens_out, hidden = self._step(rows, self.head.combine(torch.cat(aux)))
-        for i, token in zip(active, tokens_out, strict=True):
-            drafts[i].append(token)
-        live = active
-        for step in range(1, max(limits[i] for i in active)):
-            keep = [j for j, i in enumerate(live) if limits[i] > step]
-            live = [live[j] for j in keep]
-            rows = PagedRows(self.block_size)
-            for i in live:
-                rows.add([drafts[i][-1]], seqs[i].num_tokens - 2 + step, seqs[i].block_ids)
-            tokens_out, hidden = self._step(rows, hidden[keep])
-            for i, token in zip(live, tokens_out, strict=True):
-                drafts[i].append(token)
-        return Drafts(drafts)
+        combined = self.head.combine(torch.cat(aux))
+        last = self.pool.last_rows(rows)
+        if graph:
+            ids, prenorm = self.graphs.launch(rows, combined)
+            return ids.index_select(0, last), prenorm.index_select(0, last)
+        ids, positions, ctx = self.pool.inputs(rows)
+        return self._eager(ids, positions, combined, ctx, last)
+
+    def _next_drafts(
+        self, seqs: list[Sequence], step: int, previous: torch.Tensor, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft `step + 1` of the first len(`previous`) sequences, fed draft `step` and the
+        head's prenorm state of it: a graph replay (the first staged, later ones advanced on
+        the device) or an eager forward."""
+        live = len(previous)
+        rows = PagedRows(self.block_size)
+        for seq in seqs[:live]:
+            rows.add([0], seq.num_tokens - 2 + step, seq.block_ids)
+        if self.graphs is not None and self.graphs.fits(live):
+            if step > 1:
+                ids, prenorm = self.graphs.advance(live)
+            else:
+                ids, prenorm = self.graphs.launch(rows, hidden, previous)
+            return ids.clone(), prenorm  # the next step overwrites the graph's outputs
+        _, positions, ctx = self.pool.inputs(rows)
+        return self._eager(previous, positions, hidden, ctx, None)
+
+    def _eager(self, ids, positions, hidden, ctx, last: torch.Tensor | None):
+        """(target ids of the argmax drafts, prenorm) of the rows `last` (None: all)."""
+        normed, prenorm = self.head(ids, positions, hidden, ctx)
+        if last is not None:
+            normed, prenorm = normed.index_select(0, last), prenorm.index_select(0, last)
+        draft_ids = self.head.compute_logits(normed).argmax(dim=-1)
+        return self.head.to_target(draft_ids), prenorm
 
     def _state(self, seq: Sequence) -> _HeadState:
         """The request's state; a preempted sequence's head KV is gone (new blocks)."""
@@ -194,12 +255,3 @@ class Eagle3Proposer:
         if state.num_preemptions != seq.num_preemptions:
             state.num_preemptions, state.seen = seq.num_preemptions, 0
         return state
-
-    def _step(self, rows: PagedRows, hidden: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-        """(target ids of each sequence's argmax draft after its last row, the head's prenorm
-        hidden state of those rows)."""
-        ids, positions, ctx = self.pool.inputs(rows)
-        normed, prenorm = self.head(ids, positions, hidden, ctx)
-        last = torch.tensor(rows.last_rows, device=normed.device)
-        draft_ids = self.head.compute_logits(normed[last]).argmax(dim=-1)
-        return self.head.to_target(draft_ids).tolist(), prenorm[last]

@@ -41,30 +41,50 @@ class PagedRows:
     query_lens: list[int] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
+    last_rows: list[int] = field(default_factory=list)  # each sequence's last token row
+    row_keys: list[tuple] = field(default_factory=list)  # decode rows: see DecodeGraphs.launch
 
     def add(self, tokens: list[int], start: int, block_ids: list[int]) -> None:
-        """A sequence's `tokens` at positions `start`, `start + 1`, ..."""
+        """A sequence's `tokens` at positions `start`, `start + 1`, ..., one query."""
+        end = self._check(tokens, start, block_ids)
+        self._extend(tokens, start, block_ids)
+        self.query_lens.append(len(tokens))
+        self.seq_lens.append(end)
+        self.block_tables.append(block_ids)
+
+    def add_decode_rows(
+        self, tokens: list[int], start: int, block_ids: list[int], key: tuple
+    ) -> None:
+        """The same tokens as decode rows (query length 1 each, row j attending to the
+        positions up to start + j, written by the same forward), as the runner's verify rows:
+        a graph of decode steps runs them. `key` names the sequence's block list."""
+        self._check(tokens, start, block_ids)
+        self._extend(tokens, start, block_ids)
+        for j in range(len(tokens)):
+            self.query_lens.append(1)
+            self.seq_lens.append(start + j + 1)
+            self.block_tables.append(block_ids)
+            self.row_keys.append((*key, j))
+
+    def _check(self, tokens: list[int], start: int, block_ids: list[int]) -> int:
         bs, end = self.block_size, start + len(tokens)
         if not tokens or end > len(block_ids) * bs:
             raise ValueError(
                 f"rows for positions {start}..{end - 1} need {-(-end // bs)} blocks, "
                 f"the sequence holds {len(block_ids)}"
             )
+        return end
+
+    def _extend(self, tokens: list[int], start: int, block_ids: list[int]) -> None:
+        bs, end = self.block_size, start + len(tokens)
         self.input_ids.extend(tokens)
         self.positions.extend(range(start, end))
         self.slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
-        self.query_lens.append(len(tokens))
-        self.seq_lens.append(end)
-        self.block_tables.append(block_ids)
+        self.last_rows.append(len(self.input_ids) - 1)
 
     @property
-    def last_rows(self) -> list[int]:
-        """Index of each sequence's last row."""
-        ends, total = [], 0
-        for n in self.query_lens:
-            total += n
-            ends.append(total - 1)
-        return ends
+    def num_rows(self) -> int:
+        return len(self.input_ids)
 
     def metadata(self, device: torch.device) -> AttentionMetadata:
         width = max(len(t) for t in self.block_tables)
@@ -95,7 +115,7 @@ class ProposerPool:
     head_dim: int
 
     def inputs(self, rows: PagedRows) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
-        """(input ids, positions, context) of one forward over `rows`."""
+        """(input ids, positions, context) of one eager forward over `rows`."""
         kv = self.kv_cache
         ctx = ForwardContext(
             self.backend,
@@ -107,3 +127,7 @@ class ProposerPool:
         )
         ids = to_device(rows.input_ids, torch.int64, self.device)
         return ids, to_device(rows.positions, torch.int64, self.device), ctx
+
+    def last_rows(self, rows: PagedRows) -> torch.Tensor:
+        """Each sequence's last row index, on the device."""
+        return to_device(rows.last_rows, torch.int64, self.device)
