@@ -14,6 +14,8 @@ here; on a GPU they are kernel launches of about the same host cost.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import tempfile
 import time
@@ -151,9 +153,14 @@ def instrument(engine: LLMEngine, timer: PartTimer) -> None:
 
 
 def measure(
-    engine: LLMEngine, plain: LLMEngine, args: argparse.Namespace, batch: int
+    engine: LLMEngine,
+    plain: LLMEngine,
+    args: argparse.Namespace,
+    batch: int,
+    profile: cProfile.Profile | None = None,
 ) -> dict[str, float]:
-    """Per-step microseconds of each part at `batch` requests decoding."""
+    """Per-step microseconds of each part at `batch` requests decoding; `profile` (if any)
+    runs during the timed steps."""
     rng = np.random.default_rng(batch)
     vocab = engine.runtime.vocab_size
     prompts = rng.integers(3, vocab, (batch, args.prompt_len)).tolist()
@@ -177,7 +184,11 @@ def measure(
     timer.on = True
     for _ in range(args.steps):
         timer.totals.clear()
+        if profile is not None:
+            profile.enable()
         outputs = engine.core.step()
+        if profile is not None:
+            profile.disable()
         begin = time.perf_counter()
         for out in outputs:
             emitted += len(out.new_tokens())
@@ -208,18 +219,31 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="print this many functions of the largest batch's timed steps by own time (cProfile)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     context = args.prompt_len + (args.warmup + args.steps + 4) * (args.k + 1) + 16
     with tempfile.TemporaryDirectory() as folder:
         engine, plain = build(save_model(folder, args.vocab, context), args)
-        results = {b: measure(engine, plain, args, b) for b in args.batches}
+        profile = cProfile.Profile() if args.profile else None
+        largest = max(args.batches)
+        results = {
+            b: measure(engine, plain, args, b, profile if b == largest else None)
+            for b in args.batches
+        }
     header = f"{'part (us per step)':<24}" + "".join(f"{'b' + str(b):>10}" for b in results)
     print(header)
     for label, depth in [*PARTS, ("host", 0), ("tokens_per_seq_step", 0)]:
         name = "  " * depth + label
         cells = "".join(f"{results[b][label]:>10.1f}" for b in results)
         print(f"{name:<24}{cells}")
+    if profile is not None:
+        pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
 
 
 if __name__ == "__main__":
