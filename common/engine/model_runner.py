@@ -61,9 +61,8 @@ class HostInputs:
 
     @property
     def is_decode_only(self) -> bool:
-        return all(n == 1 for n in self.query_lens) and len(self.logits_indices) == len(
-            self.query_lens
-        )
+        # Every row has at least one token: as many tokens as rows means one each.
+        return len(self.input_ids) == len(self.query_lens) == len(self.logits_indices)
 
 
 def block_table_key(seq: Sequence) -> tuple[str, int, int, int]:
@@ -145,8 +144,11 @@ class StepHandle:
                 ids.tolist(), counts.tolist(), None if packed is None else packed.tolist(),
                 self.plan,
             )  # fmt: skip
+            lps, tops = out.logprobs, out.top_logprobs
             for i, row in enumerate(self.sample_rows):
-                lps, tops = out.logprobs, out.top_logprobs
+                if lps is None:  # no row asked for logprobs (the common case)
+                    results[row] = [SampledToken(token) for token in out.token_ids[i]]
+                    continue
                 results[row] = [
                     SampledToken(
                         token,
@@ -262,16 +264,17 @@ class ModelRunner:
         key = block_table_key(seq)
         h.verify = True
         h.sample_rows.append(row)
-        for j, token in enumerate([seq.token_at(start), *drafts]):
-            p = start + j
-            h.input_ids.append(token)
-            h.positions.append(p)
-            h.slots.append(blocks[p // bs] * bs + p % bs)
-            h.query_lens.append(1)
-            h.seq_lens.append(p + 1)
-            h.block_tables.append(blocks)
-            h.row_keys.append((*key, j))
-            h.logits_indices.append(len(h.input_ids) - 1)
+        m, first = 1 + len(drafts), len(h.input_ids)
+        positions = range(start, start + m)
+        h.input_ids.append(seq.token_at(start))
+        h.input_ids += drafts
+        h.positions += positions
+        h.slots += [blocks[p // bs] * bs + p % bs for p in positions]
+        h.query_lens += [1] * m
+        h.seq_lens += range(start + 1, start + m + 1)
+        h.block_tables += [blocks] * m
+        h.row_keys += [(*key, j) for j in range(m)]
+        h.logits_indices += range(first, first + m)
 
     def _tensor(self, values, dtype: torch.dtype) -> torch.Tensor:
         return to_device(values, dtype, self.device)

@@ -177,16 +177,21 @@ class Sampler:
         drafts), `drafts[i]` its drafted tokens; the logits have sum(len(drafts[i]) + 1) rows,
         sequence i's consecutive (`rejection`)."""
         _check_rows(inputs, None)
+        rejection.check_drafts(drafts, len(inputs.params), self.vocab_size)
+        num_rows = len(drafts) + sum(map(len, drafts))
+        if shape is not None and (len(shape) != 2 or shape[0] != num_rows):
+            raise ValueError(
+                f"logits shape {shape} does not match {len(drafts)} sequences with "
+                f"{sum(map(len, drafts))} drafts ({num_rows} rows)"
+            )
+        if all(map(_argmax_only, inputs.params, inputs.output_token_ids)):
+            # What `plan` gives the expanded rows, without expanding them (the common case).
+            return rejection.build_plan(SamplingPlan(num_rows), inputs, drafts, {}, self.device)
         ids = inputs.request_ids
         ephemeral: list[str] = []
         if ids is None:
             ids = ephemeral = self._call_ids(len(inputs.params))
-        rows = rejection.expand_inputs(inputs, ids, drafts, self.vocab_size)
-        if shape is not None and (len(shape) != 2 or shape[0] != len(rows.params)):
-            raise ValueError(
-                f"logits shape {shape} does not match {len(drafts)} sequences with "
-                f"{sum(map(len, drafts))} drafts ({len(rows.params)} rows)"
-            )
+        rows = rejection.expand_inputs(inputs, ids, drafts)
         plan = self.plan(rows, shape)
         plan.ephemeral = tuple(ephemeral)
         slots = {
@@ -385,6 +390,17 @@ def host_output(
         count = min(count, n)
         tops[row] = [(int(values[1 + j]), values[1 + n + j]) for j in range(count)]
     return SamplerOutput(token_ids, logprobs, tops)
+
+
+def _argmax_only(params: SamplingParams, output: Sequence[int]) -> bool:
+    """A row of these params takes the plain argmax (no draw, penalty, logprobs or min_tokens
+    mask), and so does every later row of its sequence (outputs only grow)."""
+    return (
+        params.greedy
+        and params.logprobs is None
+        and not params.uses_penalties
+        and len(output) >= params.min_tokens
+    )
 
 
 def _check_rows(inputs: SamplingInputs, shape: tuple[int, ...] | None) -> None:

@@ -97,17 +97,21 @@ class _Extended(Sequence[int]):
         return self.base[index] if index < n else self.extra[index - n]
 
 
+def check_drafts(drafts: list[list[int]], num_seqs: int, vocab_size: int) -> None:
+    """ValueError unless there is one draft list per sequence, of tokens in [0, vocab_size)."""
+    if len(drafts) != num_seqs:
+        raise ValueError(f"{len(drafts)} draft lists for {num_seqs} sequences")
+    for i, draft in enumerate(drafts):
+        if draft and not 0 <= min(draft) <= max(draft) < vocab_size:
+            raise ValueError(f"sequence {i}: draft tokens {draft} outside [0, {vocab_size})")
+
+
 def expand_inputs(
-    inputs: SamplingInputs, request_ids: list[str], drafts: list[list[int]], vocab_size: int
+    inputs: SamplingInputs, request_ids: list[str], drafts: list[list[int]]
 ) -> SamplingInputs:
     """One sampling row per verified position: sequence i's row j sees output + drafts[:j]."""
     from common.engine.sampler import SamplingInputs
 
-    if len(drafts) != len(inputs.params):
-        raise ValueError(f"{len(drafts)} draft lists for {len(inputs.params)} sequences")
-    for i, draft in enumerate(drafts):
-        if any(not 0 <= t < vocab_size for t in draft):
-            raise ValueError(f"sequence {i}: draft tokens {draft} outside [0, {vocab_size})")
     rows = SamplingInputs([], [], [], [], [])
     for i, draft in enumerate(drafts):
         output = inputs.output_token_ids[i]
