@@ -146,10 +146,12 @@ class SpeculativeConfig:
         default=4, metadata={"help": "ngram: longest suffix looked up in the earlier tokens"}
     )
     speculative_max_batch: int = field(
-        default=64,
+        default=32,
         metadata={
-            "help": "speculate only in steps of at most this many running sequences (larger "
-            "batches are compute-bound: verifying K+1 tokens each costs more than it saves)"
+            "help": "speculate only in steps of at most this many running sequences. Measured "
+            "on an H200 (Qwen2.5-7B, K=4, docs/benchmarks.md): a verify step costs x1.1 / "
+            "x1.2 / x1.7 / x2.6 a plain step at batch 1 / 8 / 32 / 64, so past 32 it pays "
+            "only above ~2.6 tokens per step"
         },
     )
 
