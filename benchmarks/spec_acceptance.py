@@ -13,7 +13,7 @@ identical token for token. Reported per task: the mean accepted length (1 + acce
 from each request's `SpecStats`), the acceptance rate, output tokens per decode forward (steps
 with no draft included) and the wall-clock speedup.
 
-    python benchmarks/spec_acceptance.py [--prompts 8] [--max-tokens 128] [-k 4] \
+    python benchmarks/spec_acceptance.py [--prompts 10] [--max-tokens 256] [-k 4] \
         [--ngram-min 1] [--ngram-max 4] [--threads 1] [--out spec_acceptance.json]
 """
 
@@ -270,8 +270,8 @@ def summarize(rows: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
-    parser.add_argument("--prompts", type=int, default=8, help="prompts per task")
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--prompts", type=int, default=10, help="prompts per task")
+    parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--ngram-min", type=int, default=1)
     parser.add_argument("--ngram-max", type=int, default=4)
