@@ -188,8 +188,7 @@ def function_source(dotted: str) -> str:
     return source
 
 
-def code_prompts(count: int, seed: int = 0, lines: int = 24) -> list[Prompt]:
-    del seed  # the functions are listed in a fixed order
+def code_prompts(count: int, lines: int = 24) -> list[Prompt]:
     if count > len(CODE_FUNCTIONS):
         raise ValueError(f"only {len(CODE_FUNCTIONS)} code functions for {count} prompts")
     prompts = []
@@ -200,8 +199,7 @@ def code_prompts(count: int, seed: int = 0, lines: int = 24) -> list[Prompt]:
     return prompts
 
 
-def chat_prompts(count: int, seed: int = 0) -> list[Prompt]:
-    del seed
+def chat_prompts(count: int) -> list[Prompt]:
     if count > len(QUESTIONS):
         raise ValueError(f"only {len(QUESTIONS)} questions for {count} prompts")
     return [Prompt("chat", "question", [{"role": "user", "content": q}]) for q in QUESTIONS[:count]]
@@ -227,7 +225,9 @@ def compare(plain: LLM, speculating: LLM, prompt: Prompt, params: SamplingParams
     """One prompt with speculation off, then on: the row the JSON keeps."""
     off, seconds_off = run_one(plain, prompt, params)
     on, seconds_on = run_one(speculating, prompt, params)
-    stats = on.spec_decode or {}
+    stats = on.spec_decode
+    if stats is None:
+        raise ValueError("the second LLM does not speculate: it reports no spec_decode counts")
     return {
         "source": prompt.source,
         "prompt_tokens": len(on.prompt_token_ids),
@@ -321,6 +321,11 @@ def main() -> None:
               f"{s['mean_accepted_length']:>14.2f}{s['acceptance_rate']:>7.2f}"
               f"{s['tokens_per_decode_forward']:>9.2f}{'yes' if s['identical'] else 'NO':>11}"
               f"{s['cpu_speedup']:>9.2f}")  # fmt: skip
+    reuse = [result["tasks"][t]["summary"] for t in REUSE_TASKS if t in result["tasks"]]
+    if reuse:
+        met = all(s["mean_accepted_length"] >= 2.0 and s["identical"] for s in reuse)
+        print(f"target (>= 2.0 tokens per target forward on the reuse tasks, identical output): "
+              f"{'met' if met else 'MISSED'}")  # fmt: skip
     args.out.write_text(json.dumps(result, indent=2) + "\n")
 
 
