@@ -166,3 +166,57 @@ def test_bad_groups_or_rows_max_are_refused_with_the_values():
     with pytest.raises(ValueError, match="groups must be int32"):
         paged_decode_attention(q, kc, vc, out, md.seq_lens, md.block_tables, 0.1, None,
                                groups=md.decode_groups.long(), rows_max=2)  # fmt: skip
+
+
+def test_tp_follower_receives_the_groups():
+    from common.engine.model_runner import HostInputs
+    from common.engine.tp_link import body_size, pack, unpack
+
+    h = HostInputs(
+        input_ids=[5, 6, 7, 8], positions=[9, 10, 11, 3], slots=[9, 10, 11, 35],
+        query_lens=[1] * 4, seq_lens=[10, 11, 12, 4], block_tables=[[0]] * 3 + [[2]],
+        row_keys=[("a", 0, 0, 1, j) for j in range(3)] + [("b", 0, 0, 1)],
+        logits_indices=[0, 1, 2, 3], sample_rows=[0, 1], groups=[3, 0, 0, 1],
+    )  # fmt: skip
+    header, body = pack(h)
+    assert body.numel() == body_size(header.tolist())
+    got, _ = unpack(header.tolist(), body)
+    assert got.groups == [3, 0, 0, 1]
+    assert (got.seq_lens, got.block_tables, got.sample_rows) == (h.seq_lens, h.block_tables, [0, 1])
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_engine_verify_steps_on_the_triton_backend_give_the_plain_tokens(tmp_path, graphs):
+    """Greedy speculation with drafts that are right except every third: verify runs of up to
+    five rows go through the grouped kernel (eager metadata or the graphs' static groups)
+    and the tokens are exactly those of plain decoding on the same backend."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from common import LLM, SamplingParams
+    from tests.test_spec_decode_engine import VOCAB, OracleProposer, prompts
+    from tests.tiny_models import TINY_SHAPE
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=VOCAB, **TINY_SHAPE, max_position_embeddings=256,
+                         initializer_range=0.25, tie_word_embeddings=False)  # fmt: skip
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (9, 14)]
+    chosen = prompts()[2:4]
+
+    def engine(**options) -> LLM:
+        return LLM(str(tmp_path), device="cpu", max_num_seqs=4, attention_backend="triton",
+                   kv_cache_memory_bytes=8 << 20, **options)  # fmt: skip
+
+    plain = [o.token_ids for o in engine().generate(chosen, params)]
+    llm = engine(speculative_method="ngram", num_speculative_tokens=4)
+    worker = llm.engine.worker
+    assert worker.decode_rows_max() == 5
+    if graphs:  # on CPU: the graph code path, replayed eagerly
+        rows, max_len = worker._decode_graph_rows(), llm.engine.runtime.max_model_len
+        worker.runner.capture_graphs(rows, max_len, worker.decode_rows_max())
+    reference = {tuple(p): out for p, out in zip(chosen, plain, strict=True)}
+    llm.engine.core.proposer = OracleProposer(reference, wrong_every=3)
+    assert [o.token_ids for o in llm.generate(chosen, params)] == plain
+    assert llm.engine.scheduler.spec_totals.num_accepted_tokens > 0
+    if graphs:
+        assert worker.runner.graphs.launches > 0
