@@ -9,7 +9,8 @@ GQA packing: the query heads sharing one KV head fill the rows of the Q tile. Ro
 query token `r // GROUP` of the tile and head `kv_head * GROUP + r % GROUP`, so each K/V tile is
 loaded once per group and both products are tensor-core `tl.dot`s: `[BLOCK_M, D] x [D, BLOCK_N]`
 for scores and `[BLOCK_M, BLOCK_N] x [BLOCK_N, D]` for P V. Decode is the one-token case with the
-group padded to 16 rows (the smallest dot).
+group padded to 16 rows (the smallest dot); grouped decode packs a verify run's rows x GROUP
+heads into one tile, so the run's keys are read once (`_decode_kernel`).
 
 Softmax is online (flash-attention) in base 2: scores are scaled by `scale * log2(e)` and
 exponentiated with exp2. Accumulation is fp32; P is cast to the cache dtype (FP8: to q's) for P V.
