@@ -1,7 +1,9 @@
 """CUDA-graph capture and replay of decode steps: one graph per batch size, static buffers here.
 
 A batch is padded to the next size of `capture_sizes`; padding rows (token 0, position 0, KV to
-the pool's padding slot, context length 1) need no data-dependent branch. All sizes share one
+the pool's padding slot, context length 1, a plain row of `decode_groups`) need no
+data-dependent branch. With `rows_max` > 1 (speculation: K + 1) the graphs pass each step's
+`decode_groups` to attention, so a verify step's rows of one sequence read its KV once. All sizes share one
 float32 `logits` buffer, so graph memory does not grow with the number of sizes. Inputs go
 through a `StagingRing` of pinned host buffers: with the overlapped loop step N+1 is staged
 before step N may have run, so a buffer is rewritten only after its step was observed complete
@@ -61,11 +63,11 @@ class StagingHazard(RuntimeError):
 
 @dataclass
 class StagingSlot:
-    """Host buffers for one step's inputs: [ids, positions, slots, seq_lens] and the block
-    table, pinned on CUDA. `generation` counts writes; `completed` is the last generation whose
+    """Host buffers for one step's inputs: [ids, positions, slots, seq_lens, groups] and the
+    block table, pinned on CUDA. `generation` counts writes; `completed` is the last generation whose
     step was observed complete. Rewriting is legal only when they are equal."""
 
-    vectors: torch.Tensor  # [4, max_rows] int64
+    vectors: torch.Tensor  # [5, max_rows] int64
     table: torch.Tensor  # [max_rows, max_blocks] int32
     row_keys: list[object] = field(default_factory=list)
     generation: int = 0
@@ -79,7 +81,7 @@ class StagingRing:
     def __init__(self, depth: int, rows: int, columns: int, pinned: bool) -> None:
         self.slots = [
             StagingSlot(
-                torch.zeros(4, rows, dtype=torch.int64, pin_memory=pinned),
+                torch.zeros(5, rows, dtype=torch.int64, pin_memory=pinned),
                 torch.zeros(rows, columns, dtype=torch.int32, pin_memory=pinned),
                 [None] * rows,
             )
@@ -127,20 +129,26 @@ class DecodeGraphs:
         max_num_seqs: int,
         max_model_len: int,
         scale: float,
+        rows_max: int = 1,
     ) -> None:
+        if rows_max < 1:
+            raise ValueError(f"rows_max must be >= 1, got {rows_max}")
         self.model, self.backend, self.kv_cache, self.scale = model, backend, kv_cache, scale
         self.max_model_len = max_model_len
+        self.rows_max = rows_max  # fixed at capture: the attention launch depends on it
         self.sizes = capture_sizes(max_num_seqs)
         self.max_batch = n = self.sizes[-1]
         device = kv_cache.pool.device
         self.on_cuda = device.type == "cuda"
         self.max_blocks = -(-max_model_len // kv_cache.block_size)
-        # ids, positions, slots and context lengths live in one int64 buffer, filled by one copy.
-        self._vectors = torch.zeros(4, n, dtype=torch.int64, device=device)
+        # ids, positions, slots, context lengths and groups live in one int64 buffer, filled
+        # by one copy.
+        self._vectors = torch.zeros(5, n, dtype=torch.int64, device=device)
         self._vectors[2] = kv_cache.padding_slot
-        self._vectors[3] = 1
+        self._vectors[3:5] = 1
         self.input_ids, self.positions, self.slot_mapping = self._vectors[:3]
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.groups = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.logits = torch.zeros(n, model.spec.vocab_size, dtype=torch.float32, device=device)
@@ -159,10 +167,14 @@ class DecodeGraphs:
             seq_lens_cpu=[self.max_model_len] * bs,
             max_query_len=1,
             max_seq_len=self.max_model_len,
+            decode_groups=self.groups[:bs] if self.rows_max > 1 else None,
+            decode_rows_max=self.rows_max,
         )
 
     def _forward(self, bs: int) -> torch.Tensor:
         self.seq_lens[:bs].copy_(self._vectors[3, :bs])  # int64 -> int32, captured with the step
+        if self.rows_max > 1:
+            self.groups[:bs].copy_(self._vectors[4, :bs])
         ctx = ForwardContext(
             self.backend,
             self._metadata(bs),
@@ -220,6 +232,7 @@ class DecodeGraphs:
         block_tables: list[list[int]],
         row_keys: list[object],
         fill_ids: tuple[torch.Tensor, torch.Tensor] | None = None,
+        groups: list[int] | None = None,
     ) -> Replay:
         """Stage one decode step and replay the graph of the smallest captured size >= its
         rows; the Replay's logits are [n, vocab] rows of the shared buffer.
@@ -228,14 +241,16 @@ class DecodeGraphs:
         (a different sequence, or the same one after preemption): equal key and length means
         the staged row is still right and is not rewritten. `fill_ids` (token positions,
         device token ids) overwrites staged ids on the device after the copy: tokens sampled
-        by a step whose results are not on the host yet."""
+        by a step whose results are not on the host yet. `groups`: the rows' `decode_groups`
+        (runs of at most `rows_max` rows; None: every row plain)."""
         n = len(input_ids)
         bs = self.padded_size(n)
         slot, generation = self.staging.acquire()
         try:
             self._stage_and_replay(
-                slot, bs, input_ids, positions, slots, seq_lens, block_tables, row_keys, fill_ids
-            )
+                slot, bs, input_ids, positions, slots, seq_lens, block_tables, row_keys, fill_ids,
+                groups,
+            )  # fmt: skip
         except BaseException:
             if self.on_cuda:
                 torch.cuda.synchronize()  # nothing may still read the slot we give back
@@ -255,6 +270,7 @@ class DecodeGraphs:
         bs = self.padded_size(n)
         advance_rows(self._vectors, self.block_tables, n, bs, self.kv_cache.block_size,
                      self.kv_cache.padding_slot)  # fmt: skip
+        self._vectors[4, :bs] = 1  # single-token rows, each its own run
         self.input_ids[:n].copy_(input_ids)
         if self.on_cuda:
             self.graphs[bs].replay()
@@ -265,17 +281,23 @@ class DecodeGraphs:
 
     def _stage_and_replay(
         self, slot: StagingSlot, bs: int, input_ids, positions, slots, seq_lens, block_tables,
-        row_keys, fill_ids,
+        row_keys, fill_ids, groups,
     ) -> None:  # fmt: skip
         n = len(input_ids)
         width = max(len(row) for row in block_tables)
         stage = slot.vectors
         # Through numpy (same memory): converting the lists is several times cheaper there.
-        stage.numpy()[:, :n] = [input_ids, positions, slots, seq_lens]
+        stage.numpy()[:4, :n] = [input_ids, positions, slots, seq_lens]
+        if groups is None or self.rows_max == 1:  # attention reads no groups then
+            stage[4, :n] = 1
+        elif max(groups) > self.rows_max:
+            raise ValueError(f"a run of {max(groups)} rows; these graphs group {self.rows_max}")
+        else:
+            stage.numpy()[4, :n] = groups
         if bs > n:  # padding rows (see module docstring)
             stage[0:2, n:bs] = 0
             stage[2, n:bs] = self.kv_cache.padding_slot
-            stage[3, n:bs] = 1
+            stage[3:5, n:bs] = 1
         self._stage_table(slot, block_tables, row_keys, n, bs)
         self._vectors[:, :bs].copy_(stage[:, :bs], non_blocking=True)
         self.block_tables[:bs, :width].copy_(slot.table[:bs, :width], non_blocking=True)

@@ -58,6 +58,9 @@ class HostInputs:
     fill_at: list[int] = field(default_factory=list)
     fill_from: list[int] = field(default_factory=list)
     verify: bool = False  # some item verifies drafts: each of its tokens is a sampling row
+    # Per row: n on the first of a verify run's n rows, 0 on its others, 1 elsewhere
+    # (`AttentionMetadata.decode_groups`).
+    groups: list[int] = field(default_factory=list)
 
     @property
     def is_decode_only(self) -> bool:
@@ -198,12 +201,14 @@ class ModelRunner:
         # rows) and the target's auxiliary hidden states of those rows.
         self.aux_observer: Callable[..., None] | None = None
 
-    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> int:
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int, rows_max: int = 1) -> int:
         """Capture decode graphs (on CPU: set up their buffers, replays run eagerly); returns
-        the bytes they hold."""
+        the bytes they hold. `rows_max`: most decode rows of one sequence (K + 1 with
+        speculation), whose verify runs the graphs' attention then reads once."""
         self.graphs = DecodeGraphs(
-            self.model, self.backend, self.kv_cache, max_num_seqs, max_model_len, self.scale
-        )
+            self.model, self.backend, self.kv_cache, max_num_seqs, max_model_len, self.scale,
+            rows_max,
+        )  # fmt: skip
         return self.graphs.capture()
 
     def capture_prefill_graphs(self, max_tokens: int) -> int:
@@ -249,6 +254,7 @@ class ModelRunner:
             h.query_lens.append(n)
             h.seq_lens.append(start + n)
             h.block_tables.append(blocks)
+            h.groups.append(1)
             h.row_keys.append(block_table_key(seq))
             if item.samples:
                 h.logits_indices.append(len(h.input_ids) - 1)
@@ -273,6 +279,7 @@ class ModelRunner:
         h.query_lens += [1] * m
         h.seq_lens += range(start + 1, start + m + 1)
         h.block_tables += [blocks] * m
+        h.groups += [m] + [0] * (m - 1)
         h.row_keys += [(*key, j) for j in range(m)]
         h.logits_indices += range(first, first + m)
 
@@ -284,6 +291,8 @@ class ModelRunner:
         cum = [0]
         for n in h.query_lens:
             cum.append(cum[-1] + n)
+        # Eager steps group only verify runs: a step without one keeps the plain launch.
+        rows_max = max(h.groups, default=1)
         return AttentionMetadata(
             query_start_loc=self._tensor(cum, torch.int32),
             seq_lens=self._tensor(h.seq_lens, torch.int32),
@@ -295,6 +304,8 @@ class ModelRunner:
             seq_lens_cpu=h.seq_lens,
             max_query_len=max(h.query_lens),
             max_seq_len=max(h.seq_lens),
+            decode_groups=self._tensor(h.groups, torch.int32) if rows_max > 1 else None,
+            decode_rows_max=rows_max,
         )
 
     @torch.inference_mode()
@@ -380,8 +391,9 @@ class ModelRunner:
             and self.graphs.fits(len(h.input_ids))
         ):
             replay = self.graphs.launch(
-                h.input_ids, h.positions, h.slots, h.seq_lens, h.block_tables, h.row_keys, fill
-            )
+                h.input_ids, h.positions, h.slots, h.seq_lens, h.block_tables, h.row_keys, fill,
+                h.groups,
+            )  # fmt: skip
             return replay, replay.output
         if (
             self.prefill_graphs is not None

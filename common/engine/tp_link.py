@@ -6,8 +6,8 @@ Only rank 0 samples; it broadcasts the sampled ids over the device group, where 
 the next step's placeholder tokens from them.
 
 Packed step: header `[STEP, tokens, rows, samples, fills, table entries, flags, 0]`, then
-input_ids, positions, slots (per token); query_lens, seq_lens, row keys, table lengths (per
-row); the block tables, concatenated; logits_indices, sample_rows (per sampled row); fill_at,
+input_ids, positions, slots (per token); query_lens, seq_lens, row keys, table lengths, groups
+(per row); the block tables, concatenated; logits_indices, sample_rows (per sampled row); fill_at,
 fill_from (per placeholder). Row keys are hashes of rank 0's `(request id, preemptions,
 blocks)` keys: equal hash, equal row (see `DecodeGraphs.launch`).
 
@@ -39,19 +39,26 @@ def pack(h: HostInputs, flags: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     header += [sum(lens), flags, len(h.sample_rows)]
     keys = [hash(k) for k in h.row_keys]
     body = [*h.input_ids, *h.positions, *h.slots, *h.query_lens, *h.seq_lens, *keys, *lens]
+    body += h.groups
     for table in h.block_tables:
         body += table
     body += [*h.logits_indices, *h.sample_rows, *h.fill_at, *h.fill_from]
     return torch.tensor(header, dtype=torch.int64), torch.tensor(body, dtype=torch.int64)
 
 
+def body_size(header: list[int]) -> int:
+    """Entries of the body `pack` sends after `header`."""
+    _, tokens, rows, logits_rows, fills, entries, _, samples = header
+    return 3 * tokens + 5 * rows + entries + logits_rows + samples + 2 * fills
+
+
 def unpack(header: list[int], body: torch.Tensor) -> tuple[HostInputs, int]:
     _, tokens, rows, logits_rows, fills, _, flags, samples = header
     values = body.tolist()
-    sizes = [tokens] * 3 + [rows] * 4
+    sizes = [tokens] * 3 + [rows] * 5
     cuts = list(accumulate(sizes, initial=0))
     parts = [values[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
-    ids, positions, slots, query_lens, seq_lens, keys, lens = parts
+    ids, positions, slots, query_lens, seq_lens, keys, lens, groups = parts
     at = cuts[-1]
     tables = []
     for n in lens:
@@ -62,7 +69,7 @@ def unpack(header: list[int], body: torch.Tensor) -> tuple[HostInputs, int]:
     at += logits_rows + samples
     fill_at, fill_from = values[at : at + fills], values[at + fills : at + 2 * fills]
     h = HostInputs(ids, positions, slots, query_lens, seq_lens, tables, keys, *tail)
-    h.fill_at, h.fill_from = fill_at, fill_from
+    h.fill_at, h.fill_from, h.groups = fill_at, fill_from, groups
     return h, flags
 
 
@@ -116,9 +123,7 @@ class StepFollower:
             return None
         if header[0] == COMMAND:
             return self._command(header[1], header[2])
-        tokens, rows, samples, fills, entries = header[1:6]
-        size = 3 * tokens + 4 * rows + entries + 2 * samples + 2 * fills
-        body = self.tp.broadcast(torch.zeros(size, dtype=torch.int64), cpu=True)
+        body = self.tp.broadcast(torch.zeros(body_size(header), dtype=torch.int64), cpu=True)
         return unpack(header, body)
 
     def _command(self, nbytes: int, rows: int) -> Command:

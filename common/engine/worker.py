@@ -203,7 +203,9 @@ class Worker:
         max_model_len = min(max_len, num_blocks * cc.block_size)
         graph_bytes = prefill_graph_bytes = 0
         if self.use_graphs:
-            graph_bytes = self.runner.capture_graphs(self._decode_graph_rows(), max_model_len)
+            graph_bytes = self.runner.capture_graphs(
+                self._decode_graph_rows(), max_model_len, self.decode_rows_max()
+            )
             if self.proposer is not None:  # the drafter's own step graphs, as many rows
                 graph_bytes += self.proposer.capture_graphs(
                     self._decode_graph_rows(), max_model_len
@@ -342,6 +344,11 @@ class Worker:
         if not sc.enabled:
             return n
         return max(n, min(n, sc.speculative_max_batch) * (sc.num_speculative_tokens + 1))
+
+    def decode_rows_max(self) -> int:
+        """Most decode rows of one sequence in a step: K + 1 with speculation, else 1."""
+        sc = self.config.speculative
+        return sc.num_speculative_tokens + 1 if sc.enabled else 1
 
     def _graph_bytes(self) -> int:
         """What the captured graphs will hold, from eager steps of their largest shapes: the

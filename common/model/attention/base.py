@@ -37,6 +37,13 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    # Decode only, optional: runs of rows that share a block table (a verify step's rows of
+    # one sequence), read once by the triton backend (`paged_decode_attention`'s `groups`):
+    # [B] int32, n on a run's first row, 0 on its others, 1 on a plain row; runs have at most
+    # `decode_rows_max` rows (a host value fixed per engine, so graphs keep one launch). Other
+    # backends ignore them: the rows are independent, the results the same.
+    decode_groups: torch.Tensor | None = None
+    decode_rows_max: int = 1
 
     @property
     def num_seqs(self) -> int:

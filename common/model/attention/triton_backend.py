@@ -7,6 +7,7 @@ read on the device. Its split scratch buffers are allocated on the first call wi
 shape (the warm-up before capture) and reused by every later call and replay, so a replay
 allocates nothing. Calls run in stream order, so one buffer serves every layer. FP8 caches
 (contract in `base`) are written and read by the same kernels with the layer's scales.
+`metadata.decode_groups` makes a verify step's rows of one sequence read its KV once.
 """
 
 from __future__ import annotations
@@ -41,7 +42,12 @@ class TritonAttentionBackend(DecodeOrPrefillBackend):
         num_seqs = min(q.shape[0], metadata.seq_lens.shape[0])
         if num_seqs < q.shape[0]:  # query rows without a sequence
             out[num_seqs:].zero_()
-        splits = decode_num_splits(num_seqs, k_cache.shape[2], metadata.max_seq_len, q.device)
+        groups, rows_max = metadata.decode_groups, metadata.decode_rows_max
+        if groups is None:
+            rows_max = 1
+        # Grouped, only the runs' leaders work: size the splits for a batch of runs.
+        leaders = -(-num_seqs // rows_max)
+        splits = decode_num_splits(leaders, k_cache.shape[2], metadata.max_seq_len, q.device)
         scratch = None
         if splits > 1:
             key = (num_seqs, q.shape[1], splits, q.shape[2], q.device)
@@ -59,6 +65,8 @@ class TritonAttentionBackend(DecodeOrPrefillBackend):
             scratch,
             k_scale=k_scale,
             v_scale=v_scale,
+            groups=groups,
+            rows_max=rows_max,
         )
         return out
 

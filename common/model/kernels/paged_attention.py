@@ -9,7 +9,8 @@ GQA packing: the query heads sharing one KV head fill the rows of the Q tile. Ro
 query token `r // GROUP` of the tile and head `kv_head * GROUP + r % GROUP`, so each K/V tile is
 loaded once per group and both products are tensor-core `tl.dot`s: `[BLOCK_M, D] x [D, BLOCK_N]`
 for scores and `[BLOCK_M, BLOCK_N] x [BLOCK_N, D]` for P V. Decode is the one-token case with the
-group padded to 16 rows (the smallest dot).
+group padded to 16 rows (the smallest dot); grouped decode packs a verify run's rows x GROUP
+heads into one tile, so the run's keys are read once (`_decode_kernel`).
 
 Softmax is online (flash-attention) in base 2: scores are scaled by `scale * log2(e)` and
 exponentiated with exp2. Accumulation is fp32; P is cast to the cache dtype (FP8: to q's) for P V.
@@ -170,36 +171,56 @@ def _prefill_kernel(
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, seq_lens_ptr,
-    block_tables_ptr, scale_log2, v_scale, stride_qt, stride_qh, stride_ot, stride_oh,
+    block_tables_ptr, groups_ptr, scale_log2, v_scale, stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, KV_FP8: tl.constexpr,
+    GROUPED: tl.constexpr,
 ):
     # fmt: on
-    """Grid (num_seqs, kv_heads, num_splits). The sequence length comes from device memory.
+    """Grid (num_rows, kv_heads, num_splits). The sequence length comes from device memory.
 
     Split s covers keys [s * per_split, (s + 1) * per_split) clipped to seq_len, per_split a
     multiple of BLOCK_N, so the host never needs the lengths (CUDA-graph replay changes them).
     One split writes the normalised output itself; several write partial (m, l, acc) rows
-    `[seq, head, split]` for `_decode_reduce_kernel`.
+    `[row, head, split]` for `_decode_reduce_kernel`.
+
+    GROUPED: `groups[row]` rows starting at `row` are one run (a verify step's rows of one
+    sequence: one block table, lengths growing by one per row); 0 marks the run's other rows,
+    whose programs exit. The leader tiles its n rows x GROUP heads (tile row r: run row
+    r // GROUP), walks the keys of the run's last (longest) row once, masks each tile row at
+    its own row's length and writes every row's output or partials at that row's index.
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    seq64 = seq.to(tl.int64)
+    if GROUPED:
+        n_rows = tl.load(groups_ptr + seq)
+        if n_rows == 0:
+            return
+        run_row = offs_m // GROUP
+        head = kv_head * GROUP + offs_m % GROUP
+        row_mask = run_row < n_rows
+        row64 = seq64 + run_row
+        seq_len = tl.load(seq_lens_ptr + seq + n_rows - 1)
+        q_pos = tl.load(seq_lens_ptr + seq + run_row, mask=row_mask, other=0) - 1
+    else:
+        head = kv_head * GROUP + offs_m
+        row_mask = offs_m < GROUP
+        row64 = seq64
+        seq_len = tl.load(seq_lens_ptr + seq)
+        q_pos = seq_len - 1 + tl.zeros([BLOCK_M], tl.int32)
     per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits) * BLOCK_N
     kv_start = split * per_split
     kv_end = tl.minimum(kv_start + per_split, seq_len)
 
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    head = kv_head * GROUP + offs_m
-    row_mask = offs_m < GROUP
-    d_mask = offs_d < HEAD_DIM
-    seq64 = seq.to(tl.int64)
     q = tl.load(
-        q_ptr + (seq64 * stride_qt + head * stride_qh)[:, None] + offs_d[None, :],
+        q_ptr + (row64 * stride_qt + head * stride_qh)[:, None] + offs_d[None, :],
         mask=row_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
@@ -209,7 +230,6 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    q_pos = seq_len - 1 + tl.zeros([BLOCK_M], tl.int32)
     table_ptr = block_tables_ptr + seq64 * stride_bt
     acc, m_i, l_i = _attend(
         acc, m_i, l_i, q, q_pos, kv_start, kv_end, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
@@ -221,13 +241,13 @@ def _decode_kernel(
     if SINGLE_SPLIT:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
-            out_ptr + (seq64 * stride_ot + head * stride_oh)[:, None] + offs_d[None, :],
+            out_ptr + (row64 * stride_ot + head * stride_oh)[:, None] + offs_d[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=row_mask[:, None] & d_mask[None, :],
         )
     else:
         num_heads = tl.num_programs(1) * GROUP
-        part = (seq64 * num_heads + head) * num_splits + split  # [BLOCK_M] row index
+        part = (row64 * num_heads + head) * num_splits + split  # [BLOCK_M] row index
         tl.store(part_m_ptr + part, m_i, mask=row_mask)
         tl.store(part_l_ptr + part, l_i, mask=row_mask)
         tl.store(
@@ -396,14 +416,26 @@ def paged_decode_attention(
     block_n: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    groups: torch.Tensor | None = None,
+    rows_max: int = 1,
 ) -> None:
-    """One query token per sequence: row i of q and out belongs to sequence i.
+    """One query token per row: row i of q and out attends to the first `seq_lens[i]` keys of
+    `block_tables[i]`.
 
     Every host-side value comes from tensor shapes (and the fixed scales), so this is CUDA-graph
     capturable: the split count is `scratch`'s (1 when None), lengths are read on the device, a
     sequence of length 0 gets a zero row. `block_n` overrides the key tile (tests).
     `k_scale`/`v_scale` dequantize an FP8 cache (module docstring).
+
+    `groups` ([>= rows] int32, device) with `rows_max` > 1 reads each run of rows sharing a
+    block table once (`_decode_kernel`, GROUPED): `groups[i]` = n in 1..rows_max where a run
+    of n rows starts at row i, 0 on its other rows. The caller promises that a run's rows are
+    consecutive, inside the batch, share row i's block table and have lengths `seq_lens[i] + j`
+    (the kernel reads the table of the run's first row and the keys up to its last row's
+    length). Without groups, or with rows_max 1, every row reads its own keys (today's launch).
     """
+    if rows_max < 1:
+        raise ValueError(f"rows_max must be >= 1, got {rows_max}")
     group = _check_q(q, k_cache)
     kv_fp8 = _kv_fp8(k_cache, v_cache, k_scale, v_scale)
     num_seqs, num_heads, head_dim = q.shape
@@ -412,6 +444,10 @@ def paged_decode_attention(
     if seq_lens.shape[0] < num_seqs or block_tables.shape[0] < num_seqs:
         raise ValueError(f"{num_seqs} query rows but seq_lens {tuple(seq_lens.shape)}, "
                          f"block_tables {tuple(block_tables.shape)}")  # fmt: skip
+    grouped = groups is not None and rows_max > 1
+    if grouped and (groups.dtype != torch.int32 or groups.shape[0] < num_seqs):
+        raise ValueError(f"groups must be int32 with >= {num_seqs} rows, got {groups.dtype} "
+                         f"{tuple(groups.shape)}")  # fmt: skip
     num_splits = 1 if scratch is None else scratch.max_log2.shape[2]
     if scratch is not None and tuple(scratch.max_log2.shape[:2]) != (num_seqs, num_heads):
         raise ValueError(f"scratch {tuple(scratch.max_log2.shape)} does not fit q {tuple(q.shape)}")
@@ -421,11 +457,13 @@ def paged_decode_attention(
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                *_cache_strides(k_cache, v_cache), block_tables.stride(0))  # fmt: skip
     scale_log2 = scale * LOG2E * k_scale if kv_fp8 else scale * LOG2E
+    # A run's rows x GROUP heads share one tile (16 rows at least: the smallest dot).
+    block_m = max(16, triton.next_power_of_2(group * (rows_max if grouped else 1)))
     _decode_kernel[(num_seqs, k_cache.shape[2], num_splits)](
-        q, k_cache, v_cache, out, *parts, seq_lens, block_tables, scale_log2, v_scale, *strides,
-        GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), PAGE_SIZE=k_cache.shape[1],
+        q, k_cache, v_cache, out, *parts, seq_lens, block_tables, groups if grouped else seq_lens,
+        scale_log2, v_scale, *strides, GROUP=group, BLOCK_M=block_m, PAGE_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, SINGLE_SPLIT=num_splits == 1,
-        KV_FP8=kv_fp8, num_warps=4, num_stages=3 if block_d <= 128 else 2,
+        KV_FP8=kv_fp8, GROUPED=grouped, num_warps=4, num_stages=3 if block_d <= 128 else 2,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
