@@ -204,14 +204,16 @@ def test_engine_verify_steps_on_the_triton_backend_give_the_plain_tokens(tmp_pat
     chosen = prompts()[2:4]
 
     def engine(**options) -> LLM:
-        return LLM(str(tmp_path), device="cpu", max_num_seqs=4, attention_backend="triton",
-                   kv_cache_memory_bytes=8 << 20, **options)  # fmt: skip
+        # float32 on the GPU too: the comparison is exact only without bf16 near-ties.
+        return LLM(str(tmp_path), device=DEVICE.type, dtype="float32", max_num_seqs=4,
+                   attention_backend="triton", kv_cache_memory_bytes=8 << 20,
+                   enforce_eager=not graphs, **options)  # fmt: skip
 
     plain = [o.token_ids for o in engine().generate(chosen, params)]
     llm = engine(speculative_method="ngram", num_speculative_tokens=4)
     worker = llm.engine.worker
     assert worker.decode_rows_max() == 5
-    if graphs:  # on CPU: the graph code path, replayed eagerly
+    if graphs and DEVICE.type == "cpu":  # the graph code path, replayed eagerly
         rows, max_len = worker._decode_graph_rows(), llm.engine.runtime.max_model_len
         worker.runner.capture_graphs(rows, max_len, worker.decode_rows_max())
     reference = {tuple(p): out for p, out in zip(chosen, plain, strict=True)}
