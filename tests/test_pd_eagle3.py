@@ -23,7 +23,7 @@ from common.engine.spec_decode.aux_rows import (
 from common.engine.spec_decode.proposer import Drafts
 from common.protocol.sampling_params import SamplingParams
 from tests.node_harness import engine_config
-from tests.test_spec_eagle3 import EPS, H, HEADS, INTER, KV_HEADS, TARGET_LAYERS, VOCAB, write_head
+from tests.test_spec_eagle3 import EPS, HEADS, INTER, KV_HEADS, TARGET_LAYERS, VOCAB, H, write_head
 from tests.test_spec_endings import Nodes, speculating
 
 PROMPTS = {"a": list(range(10, 50)), "b": [7, 3, 9, 200, 41] * 5, "c": [5, 6]}
@@ -167,7 +167,11 @@ def test_refused_rows_leave_the_request_decoding_exactly(target_dir, head_dir, t
     def narrower(request_id, metadata):
         shipped = metadata[AUX_ROWS_KEY]
         n, width = shipped["shape"]
-        metadata[AUX_ROWS_KEY] = {**shipped, "shape": [n, width - 1], "data": b"\0" * (n * (width - 1) * 4)}
+        metadata[AUX_ROWS_KEY] = {
+            **shipped,
+            "shape": [n, width - 1],
+            "data": b"\0" * (n * (width - 1) * 4),
+        }
         complete(request_id, metadata)
 
     nodes.prefill.sender.complete = narrower
