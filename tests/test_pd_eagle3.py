@@ -14,13 +14,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from common.engine.config import SpeculativeConfig
 from common.engine.spec_decode.aux_rows import (
     AUX_ROWS_KEY,
     PromptAuxRows,
     observe_shipped,
     rows_from_wire,
 )
+from common.engine.spec_decode.loading import keep_eagle3_inputs
 from common.engine.spec_decode.proposer import Drafts
+from common.model.loader import build_model
+from common.model.source import read_spec, resolve_model
 from common.protocol.sampling_params import SamplingParams
 from tests.node_harness import engine_config
 from tests.test_spec_eagle3 import EPS, HEADS, INTER, KV_HEADS, TARGET_LAYERS, VOCAB, H, write_head
@@ -206,3 +210,18 @@ def test_observe_shipped_feeds_the_proposer_in_its_dtype(target_dir, head_dir, t
         assert "x" not in proposer._states
     finally:
         nodes.close()
+
+
+def test_a_prefill_target_keeps_the_heads_layers_from_its_config_alone(target_dir, tmp_path):
+    source = resolve_model(target_dir)
+    target = build_model(read_spec(source), source, max_positions=64, dtype=torch.float32,
+                         device=torch.device("cpu"))  # fmt: skip
+    head = tmp_path / "head"
+    write_head(head)
+    (head / "model.safetensors").unlink()  # no weights needed
+    config = SpeculativeConfig("eagle3", 4, str(head))
+    assert keep_eagle3_inputs(config, target) == (2, 4, 5)  # default: early, middle, late
+    assert target.model.aux_hidden_layers == (2, 4, 5)
+    write_head(tmp_path / "wide", target_hidden_size=2 * H)
+    with pytest.raises(ValueError, match=f"size {2 * H}, the target's are {H}"):
+        keep_eagle3_inputs(SpeculativeConfig("eagle3", 4, str(tmp_path / "wide")), target)
