@@ -8,6 +8,7 @@ from `poll`, which the node acts on (starting samples, ending requests) as each 
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import Counter
@@ -17,6 +18,8 @@ from typing import Any
 
 from common.engine.config import EngineConfig
 from common.engine.scheduler import Scheduler
+from common.engine.spec_decode.aux_rows import AUX_ROWS_KEY, observe_shipped
+from common.engine.spec_decode.eagle3 import Eagle3Proposer
 from common.engine.tp_ranks import RankRole
 from common.engine.worker import Worker
 from common.node.channel import HOST_ID, NodeChannel
@@ -26,6 +29,8 @@ from decode_node.request import Phase, Request
 from decode_node.reservations import ReservationQueue
 from kv_transfer import Transfer, TransferConfig, TransferState, create_receiver
 from kv_transfer.tp import TPPoolWriter, check_transport, decode_rank_handler
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -142,6 +147,10 @@ class PDAdmission:
         self._headroom_blocks = math.ceil(config.kv_growth_headroom * self.allocator.num_blocks)
         # all layers, K and V, every KV head (a tensor-parallel rank's pool holds some)
         self._block_bytes = worker.spec.kv_bytes_per_token(pool.element_size()) * pool.shape[3]
+        # EAGLE-3: the head is fed the prompt hidden states the prefill node ships. Without
+        # it they are ignored (a pool of another method is refused anyway: KVFormat).
+        proposer = worker.proposer
+        self._eagle3 = proposer if isinstance(proposer, Eagle3Proposer) else None
 
     @property
     def num_queued(self) -> int:
@@ -222,11 +231,26 @@ class PDAdmission:
         seq.block_ids, request.block_ids = request.block_ids, []
         seq.num_computed_tokens = request.num_prompt_tokens
         ended = seq.append_token(int(meta["first_token"]))
+        self._observe_prompt(request, meta.pop(AUX_ROWS_KEY, None))
         self.scheduler.add_running(seq)
         self.num_reserved -= 1
         request.phase = Phase.RUNNING
         request.samples.add(request.id)
         return Landed(request, ended is not None)
+
+    def _observe_prompt(self, request: Request, rows: Any) -> None:
+        """Before the sequence's first step: its head takes the shipped rows (the proposer
+        forgets them when the request ends). Rows that do not fit are dropped with a warning:
+        the output stays exact, only acceptance drops."""
+        if rows is None or self._eagle3 is None:
+            return
+        try:
+            n = observe_shipped(self._eagle3, request.id, rows, request.num_prompt_tokens)
+        except ValueError as exc:
+            self.stats["eagle3_aux_rows_refused"] += 1
+            log.warning("dropped the prompt hidden states shipped for %r: %s", request.id, exc)
+            return
+        self.stats["eagle3_aux_rows_received"] += n
 
     def release(self, request: Request) -> bool:
         """The request ends: forget it here. True: its blocks may be freed now; False: a sender

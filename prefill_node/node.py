@@ -12,6 +12,7 @@ from common.engine.config import EngineConfig
 from common.engine.core import EngineCore, LayerHook
 from common.engine.scheduler import ScheduledBatch, Scheduler
 from common.engine.sequence import Sequence
+from common.engine.spec_decode.aux_rows import AUX_ROWS_KEY, PromptAuxRows
 from common.engine.tp_ranks import RankRole
 from common.engine.worker import Worker
 from common.node.channel import HOST_ID, NodeChannel, runtime_info
@@ -51,6 +52,12 @@ class PrefillNode:
         )
         # Synchronous: the first token leaves as soon as it is sampled, and steps ship KV per layer.
         self.core = EngineCore(self.worker, self.scheduler, overlap=False)
+        # EAGLE-3 decode pool: each prompt's target hidden states ship with its KV, since
+        # its head needs them (spec_decode/aux_rows.py). Prefill steps run eagerly then.
+        self.aux_rows: PromptAuxRows | None = None
+        if engine_config.speculative.speculative_method == "eagle3":
+            self.aux_rows = PromptAuxRows()
+            self.worker.runner.aux_observer = self.aux_rows.observe
         # Tensor parallel: rank 0 ships its KV heads, its ranks theirs (kv_transfer/tp.py).
         # Each transfer announces the pool's format; a decode pool of another one refuses it.
         transfer = dataclasses.replace(transfer, kv_format=self.worker.runtime.kv_format)
@@ -179,6 +186,8 @@ class PrefillNode:
             self._fail(req.request_id, str(exc), 400)
             return
         job.seq = seq
+        if self.aux_rows is not None:
+            self.aux_rows.expect(seq.request_id, len(seq.prompt_token_ids))
 
     def engine_step(self) -> None:
         for out in self.core.step(before_launch=self._before_launch):
@@ -271,6 +280,11 @@ class PrefillNode:
                 self._fail(seq.request_id, f"KV transfer failed: {job.transfer_error}", 500)
                 return
             self.sender.send_layers(seq.request_id, range(self.num_layers))
+        if self.aux_rows is not None:
+            # After the first token left: the device-to-host copy is off the TTFT path.
+            rows = self.aux_rows.to_wire(seq.request_id)
+            if rows is not None:
+                metadata[AUX_ROWS_KEY] = rows
         self.sender.complete(seq.request_id, metadata)
 
     def poll_transport(self) -> None:
@@ -314,6 +328,8 @@ class PrefillNode:
             # error): the decode node's receiver may hold the reservation until told.
             self.sender.decline(job.request_id, address, ENDED_BEFORE_TRANSFER)
         self.core.release(job.request_id)
+        if self.aux_rows is not None:
+            self.aux_rows.release(job.request_id)
         seq = job.seq
         if seq is None:
             return

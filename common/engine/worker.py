@@ -37,7 +37,11 @@ from common.engine.logits_processors import LogitsProcessors
 from common.engine.memory_probe import graph_margin, step_peak_bytes
 from common.engine.model_runner import ModelRunner
 from common.engine.sequence import Sequence
-from common.engine.spec_decode.loading import assemble, load_proposer_weights
+from common.engine.spec_decode.loading import (
+    assemble,
+    keep_eagle3_inputs,
+    load_proposer_weights,
+)
 from common.engine.tp_link import StepDriver, StepFollower
 from common.engine.tp_ranks import RankHandler, RankProcesses, RankRole
 from common.model.attention import create_backend
@@ -172,6 +176,9 @@ class Worker:
                 dtype=self.dtype,
                 device=self.device,
             )
+        elif rank == 0 and config.speculative.speculative_method == "eagle3":
+            # A prefill node: its prompts' hidden states ship to the decode node's head.
+            keep_eagle3_inputs(config.speculative, self.model)
         self.kv_dtype = kv_cache_dtype(cc.kv_cache_dtype, self.dtype)
         # Only an FP8 pool asks the backends about its dtype: "auto" calls them as before.
         kv_arg = {"kv_dtype": self.kv_dtype} if self.kv_dtype != self.dtype else {}

@@ -21,7 +21,7 @@ from common.engine.spec_decode.eagle3 import Eagle3Proposer
 from common.engine.spec_decode.paged import ProposerPool
 from common.engine.spec_decode.proposer import Proposer
 from common.model.attention import AttentionBackend
-from common.model.eagle3 import load_eagle3_head
+from common.model.eagle3 import load_eagle3_head, read_eagle3_spec
 from common.model.loader import build_model
 from common.model.source import ModelSource, read_spec, resolve_model
 from common.model.spec import ModelSpec
@@ -74,6 +74,22 @@ def load_proposer_weights(
     target.model.aux_hidden_layers = head.spec.aux_layers(target.spec.num_layers)
     log.info("EAGLE-3 head %s reads target layers %s", source.name, target.model.aux_hidden_layers)
     return ProposerWeights(method, head, head.spec.layer)
+
+
+def keep_eagle3_inputs(config: SpeculativeConfig, target: torch.nn.Module) -> tuple[int, ...]:
+    """A prefill node of an eagle3 pool: make `target` keep the aux hidden states the decode
+    node's head reads (they ship with the KV). Reads the head's config.json only, no weights.
+    Returns the layers; ValueError when the head was not made for a target this wide."""
+    if config.speculative_model is None:
+        raise ValueError("speculative_method=eagle3 needs --speculative-model")
+    spec = read_eagle3_spec(resolve_model(config.speculative_model).directory)
+    if spec.target_hidden_size != target.spec.hidden_size:
+        raise ValueError(
+            f"EAGLE-3 head {config.speculative_model} reads hidden states of size "
+            f"{spec.target_hidden_size}, the target's are {target.spec.hidden_size}"
+        )
+    target.model.aux_hidden_layers = spec.aux_layers(target.spec.num_layers)
+    return target.model.aux_hidden_layers
 
 
 def assemble(
