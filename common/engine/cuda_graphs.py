@@ -2,8 +2,9 @@
 
 A batch is padded to the next size of `capture_sizes`; padding rows (token 0, position 0, KV to
 the pool's padding slot, context length 1, a plain row of `decode_groups`) need no
-data-dependent branch. With `rows_max` > 1 (speculation: K + 1) the graphs pass each step's
-`decode_groups` to attention, so a verify step's rows of one sequence read its KV once. All sizes share one
+data-dependent branch. With `rows_max` > 1 (speculation: K + 1) each size is captured twice:
+steps with a verify run replay graphs that pass `decode_groups` to attention (a verify step's
+rows of one sequence read its KV once), the others the plain launch. All sizes share one
 float32 `logits` buffer, so graph memory does not grow with the number of sizes. Inputs go
 through a `StagingRing` of pinned host buffers: with the overlapped loop step N+1 is staged
 before step N may have run, so a buffer is rewritten only after its step was observed complete
@@ -153,11 +154,12 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.logits = torch.zeros(n, model.spec.vocab_size, dtype=torch.float32, device=device)
         self.staging = StagingRing(STAGING_DEPTH, n, self.max_blocks, pinned=self.on_cuda)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._aux: dict[int, torch.Tensor | None] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # plain decode steps
+        self.grouped_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps with a verify run
+        self._aux: dict[tuple[int, bool], torch.Tensor | None] = {}
         self.launches = 0  # steps served (tests and benchmarks read it)
 
-    def _metadata(self, bs: int) -> AttentionMetadata:
+    def _metadata(self, bs: int, grouped: bool) -> AttentionMetadata:
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: bs + 1],
             seq_lens=self.seq_lens[:bs],
@@ -167,17 +169,17 @@ class DecodeGraphs:
             seq_lens_cpu=[self.max_model_len] * bs,
             max_query_len=1,
             max_seq_len=self.max_model_len,
-            decode_groups=self.groups[:bs] if self.rows_max > 1 else None,
-            decode_rows_max=self.rows_max,
+            decode_groups=self.groups[:bs] if grouped else None,
+            decode_rows_max=self.rows_max if grouped else 1,
         )
 
-    def _forward(self, bs: int) -> torch.Tensor:
+    def _forward(self, bs: int, grouped: bool = False) -> torch.Tensor:
         self.seq_lens[:bs].copy_(self._vectors[3, :bs])  # int64 -> int32, captured with the step
-        if self.rows_max > 1:
+        if grouped:
             self.groups[:bs].copy_(self._vectors[4, :bs])
         ctx = ForwardContext(
             self.backend,
-            self._metadata(bs),
+            self._metadata(bs, grouped),
             self.kv_cache.k_caches,
             self.kv_cache.v_caches,
             self.scale,
@@ -185,7 +187,7 @@ class DecodeGraphs:
         )
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], ctx)
         # A captured graph rewrites the same aux tensor at every replay of this size.
-        self._aux[bs] = getattr(self.model.model, "aux_hidden", None)
+        self._aux[bs, grouped] = getattr(self.model.model, "aux_hidden", None)
         return self.model.compute_logits(hidden, out=self.logits[:bs])
 
     @torch.inference_mode()
@@ -197,15 +199,20 @@ class DecodeGraphs:
         before = torch.cuda.memory_reserved()
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
-        for bs in reversed(self.sizes):
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._forward(bs)  # warm-up: lazy init and autotuning stay out of the graph
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._forward(bs)
-            self.graphs[bs] = graph
+        # With rows_max > 1 every size is captured twice: the grouped attention launch (tiles
+        # of rows_max x GROUP rows) made plain steps 6-12% slower on an H200, so steps without
+        # a verify run replay the plain launch.
+        for grouped in (False, True) if self.rows_max > 1 else (False,):
+            graphs = self.grouped_graphs if grouped else self.graphs
+            for bs in reversed(self.sizes):
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    self._forward(bs, grouped)  # warm-up: lazy init, autotuning out of the graph
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._forward(bs, grouped)
+                graphs[bs] = graph
         torch.cuda.synchronize()
         used = torch.cuda.memory_reserved() - before + self.logits.numel() * 4
         log.info(
@@ -247,7 +254,7 @@ class DecodeGraphs:
         bs = self.padded_size(n)
         slot, generation = self.staging.acquire()
         try:
-            self._stage_and_replay(
+            grouped = self._stage_and_replay(
                 slot, bs, input_ids, positions, slots, seq_lens, block_tables, row_keys, fill_ids,
                 groups,
             )  # fmt: skip
@@ -257,7 +264,7 @@ class DecodeGraphs:
             slot.release(generation)
             raise
         self.launches += 1
-        aux = self._aux.get(bs)
+        aux = self._aux.get((bs, grouped))
         return Replay(self.logits[:n], slot, generation, None if aux is None else aux[:n])
 
     @torch.inference_mode()
@@ -282,13 +289,15 @@ class DecodeGraphs:
     def _stage_and_replay(
         self, slot: StagingSlot, bs: int, input_ids, positions, slots, seq_lens, block_tables,
         row_keys, fill_ids, groups,
-    ) -> None:  # fmt: skip
+    ) -> bool:  # fmt: skip
+        """Returns whether the step replayed the grouped launch (it has a verify run)."""
         n = len(input_ids)
         width = max(len(row) for row in block_tables)
         stage = slot.vectors
         # Through numpy (same memory): converting the lists is several times cheaper there.
         stage.numpy()[:4, :n] = [input_ids, positions, slots, seq_lens]
-        if groups is None or self.rows_max == 1:  # attention reads no groups then
+        grouped = self.rows_max > 1 and groups is not None and max(groups) > 1
+        if not grouped:  # attention reads no groups then
             stage[4, :n] = 1
         elif max(groups) > self.rows_max:
             raise ValueError(f"a run of {max(groups)} rows; these graphs group {self.rows_max}")
@@ -305,9 +314,10 @@ class DecodeGraphs:
             at, ids = fill_ids
             self.input_ids.index_copy_(0, at, ids)
         if self.on_cuda:
-            self.graphs[bs].replay()
+            (self.grouped_graphs if grouped else self.graphs)[bs].replay()
         else:
-            self._forward(bs)
+            self._forward(bs, grouped)
+        return grouped
 
     @staticmethod
     def _stage_table(
