@@ -150,7 +150,7 @@ class SpeculativeConfig:
         metadata={
             "help": "speculate only in steps of at most this many running sequences. Measured "
             "on an H200 (Qwen2.5-7B, K=4, docs/benchmarks.md): a verify step costs x1.1 / "
-            "x1.1 / x1.3 / x2.0 a plain overlapped step at batch 1 / 8 / 32 / 64, so past 32 "
+            "x1.1 / x1.35 / x2.0 a plain overlapped step at batch 1 / 8 / 32 / 64, so past 32 "
             "it pays only above ~2 tokens per step, which free chat does not reach"
         },
     )
