@@ -414,15 +414,17 @@ class ModelRunner:
                 return
             if self.logits_processors is not None:
                 logits = self.logits_processors.apply(logits, seqs)
-            inputs = SamplingInputs(
-                params=[s.params for s in seqs],
-                prompt_token_ids=[s.prompt_token_ids for s in seqs],
-                output_token_ids=[s.output_token_ids for s in seqs],
-                eos_token_ids=[self.eos_token_ids] * len(seqs),
-                request_ids=[s.request_id for s in seqs],
-            )
-            plan = self.sampler.plan(inputs, tuple(logits.shape))
+            plan = self.sampler.plan(self._sampling_inputs(seqs), tuple(logits.shape))
             handle.set_sampled(self.sampler.sample(logits, plan), plan)
+
+    def _sampling_inputs(self, seqs: list[Sequence]) -> SamplingInputs:
+        return SamplingInputs(
+            params=[s.params for s in seqs],
+            prompt_token_ids=[s.prompt_token_ids for s in seqs],
+            output_token_ids=[s.output_token_ids for s in seqs],
+            eos_token_ids=[self.eos_token_ids] * len(seqs),
+            request_ids=[s.request_id for s in seqs],
+        )
 
     def _verify(self, handle: StepHandle, batch: ScheduledBatch, seqs, logits) -> None:
         """Accept a prefix of each item's drafts plus one token of the target's own
@@ -430,13 +432,7 @@ class ModelRunner:
         drafts = [batch.drafts_of(row) for row in handle.sample_rows]
         if self.logits_processors is not None:
             logits = self.logits_processors.apply_drafts(logits, seqs, drafts)
-        inputs = SamplingInputs(
-            params=[s.params for s in seqs],
-            prompt_token_ids=[s.prompt_token_ids for s in seqs],
-            output_token_ids=[s.output_token_ids for s in seqs],
-            eos_token_ids=[self.eos_token_ids] * len(seqs),
-            request_ids=[s.request_id for s in seqs],
-        )
+        inputs = self._sampling_inputs(seqs)
         plan = self.sampler.plan_verify(inputs, drafts, tuple(logits.shape))
         handle.set_verified(self.sampler.verify(logits, plan, batch.draft_probs), plan)
 
