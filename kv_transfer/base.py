@@ -48,6 +48,8 @@ class Transfer:
     # receiving node only frees the blocks (AbortHeader.answered).
     answered_by_sender: bool = False
     metadata: dict[str, Any] | None = None  # receiver: what the sender attached on completion
+    # receiver: the completion's raw payload frame (read-only; None when it had none)
+    payload: memoryview | bytes | None = None
     started_at: float = field(default_factory=time.monotonic)
     in_flight_at: float | None = None  # first layer sent / received
     finished_at: float | None = None
@@ -144,10 +146,19 @@ class KVSender(ABC):
         return None
 
     @abstractmethod
-    def complete(self, request_id: str, metadata: dict[str, Any]) -> None:
-        """After every layer: send the completion notice carrying msgpack-able `metadata`.
+    def complete(
+        self,
+        request_id: str,
+        metadata: dict[str, Any],
+        payload: torch.Tensor | bytes | None = None,
+    ) -> None:
+        """After every layer: send the completion notice carrying msgpack-able `metadata`, and
+        `payload` (a contiguous host tensor or bytes, raw) as a frame behind it, which the
+        receiver hands over as `Transfer.payload`. The sender owns `payload` from here on (it
+        is sent without a copy): the caller must not write it again.
 
-        ValueError if layers are missing or `metadata` cannot be packed."""
+        ValueError if layers are missing, `metadata` cannot be packed or `payload` is not on
+        the host."""
 
     @abstractmethod
     def abort(self, request_id: str, reason: str) -> None:

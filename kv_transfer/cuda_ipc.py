@@ -10,6 +10,7 @@ format on the same socket: [layer header, payload] frames staged through pinned 
 
 One request, on the socket (ZMQ keeps each connection's order):
   "start" (mode: direct or frames)  [layer frames, frames mode]  "complete" | "abort"
+"complete" may carry a payload frame (KVSender.complete), in either mode.
 "start" announces the sender's KV format; one the receiver's pool does not hold fails the
 transfer there (`ReceiverLedger.check_format`) and the sender is told why in a "cancel".
 Direct mode: the sender sends "complete" only once the events of all its writes completed, so
@@ -38,7 +39,7 @@ import zmq
 
 from kv_transfer.base import KVReceiver, Transfer, TransferConfig
 from kv_transfer.frames import AbortHeader, CompleteHeader, LayerHeader
-from kv_transfer.frames_receiver import FrameReceiver
+from kv_transfer.frames_receiver import FrameReceiver, completion_payload
 from kv_transfer.ipc_handles import (
     ALL_KINDS,
     Cancel,
@@ -184,9 +185,13 @@ class CudaIpcReceiver(KVReceiver):
             if self._confirmed(message.request_id):
                 pass
             elif writer is not None and writer.direct:
-                self._ledger.complete_written(message.request_id, message.metadata)
+                self._ledger.complete_written(
+                    message.request_id, message.metadata, completion_payload(frames)
+                )
             else:
-                self._ledger.complete(message.request_id, message.metadata)
+                self._ledger.complete(
+                    message.request_id, message.metadata, payload=completion_payload(frames)
+                )
         elif isinstance(message, AbortHeader):
             if not self._confirmed(message.request_id):
                 self._ledger.abort(message.request_id, message.reason, message.answered)

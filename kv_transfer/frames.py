@@ -1,8 +1,10 @@
 """Headers of the frames a sender puts on the wire, with one msgpack codec (no torch).
 
 A header is `{"kind": ..., **fields}`. A "layer" header is followed by one payload frame with
-the layer's K and V of the request's blocks (raw bytes: an FP8 pool's too); "complete" and
-"abort" travel alone. A sender's first layer frame of a transfer announces its pool's
+the layer's K and V of the request's blocks (raw bytes: an FP8 pool's too). A "complete" header
+with `payload_bytes` > 0 is followed by one raw payload frame of exactly that many bytes (bulk
+data too large for the header, e.g. EAGLE-3 prompt hidden states); otherwise it travels alone,
+as does "abort". A sender's first layer frame of a transfer announces its pool's
 `KVFormat`, which the receiver checks before writing anything. Decoding
 checks every field's type, so what reaches the receiver's logic is well-typed; whether it fits
 the expected transfer and the pool is the receiver's check.
@@ -25,6 +27,9 @@ from common.protocol.messages import MessageError, from_fields
 from common.protocol.wire_auth import SIGNER, SignatureError
 
 MAX_HEADER_BYTES = 16 << 20  # a header is block ids plus small metadata; refuse anything huge
+# A completion payload is bulk data the sender computed (EAGLE-3 rows of an 8k-token prompt on
+# Llama-3.1-8B: 192 MiB); the bound only refuses a corrupt size before anything is allocated.
+MAX_PAYLOAD_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class CompleteHeader:
     request_id: str
     metadata: dict[str, Any]  # msgpack-able, str keys (first token, timing, ...)
     senders: int = 1  # prefill ranks that each send a share of the heads and a "complete"
+    payload_bytes: int = 0  # size of the raw frame that follows; 0: none follows
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,20 @@ def encode_header(header: Header) -> bytes:
         except FrameError as exc:
             raise ValueError(f"metadata does not survive msgpack: {exc}") from None
     return frame
+
+
+def completion_error(header: CompleteHeader, parts: int, nbytes: int | None) -> str | None:
+    """Why a completion of `parts` parts whose payload frame holds `nbytes` (None: no payload
+    part) does not match its header, naming both; None when it does."""
+    want = header.payload_bytes
+    if not 0 <= want <= MAX_PAYLOAD_BYTES:
+        return f"completion payload of {want} bytes outside [0, {MAX_PAYLOAD_BYTES}]"
+    expected_parts = 2 if want else 1
+    if parts != expected_parts:
+        return f"completion with payload_bytes={want} has {parts} parts, not {expected_parts}"
+    if want and nbytes != want:
+        return f"completion payload is {nbytes} bytes, its header says {want}"
+    return None
 
 
 def decode_header(frame: bytes, kinds: Mapping[str, type] = KINDS) -> Any:

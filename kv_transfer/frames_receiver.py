@@ -15,7 +15,14 @@ import torch
 import zmq
 
 from kv_transfer.base import Transfer, TransferConfig
-from kv_transfer.frames import KINDS, CompleteHeader, FrameError, LayerHeader, decode_header
+from kv_transfer.frames import (
+    KINDS,
+    CompleteHeader,
+    FrameError,
+    LayerHeader,
+    completion_error,
+    decode_header,
+)
 from kv_transfer.ledger import ReceiverLedger
 from kv_transfer.pool_io import PoolWriter, write_layer_frame
 
@@ -76,7 +83,8 @@ class FrameReceiver:
         self, frames: list[zmq.Frame], fail: Fail, kinds: Mapping[str, type] = KINDS
     ) -> Any | None:
         """The message's header if it decodes and has its number of parts (a layer header and
-        its payload, anything else alone); None once it failed its transfer or was dropped."""
+        its payload, a completion and the payload its header sizes, anything else alone); None
+        once it failed its transfer or was dropped."""
         try:
             header = decode_header(frames[0].bytes, kinds)
         except FrameError as exc:
@@ -86,6 +94,13 @@ class FrameReceiver:
                 self.ledger.malformed_frames += 1
                 log.debug("dropped malformed KV message: %s", exc)
             return None
+        if isinstance(header, CompleteHeader):
+            nbytes = frames[1].buffer.nbytes if len(frames) > 1 else None
+            error = completion_error(header, len(frames), nbytes)
+            if error is not None:
+                fail(header.request_id, f"malformed frame: {error}")
+                return None
+            return header
         parts = 2 if isinstance(header, LayerHeader) else 1
         if len(frames) != parts:
             request_id = getattr(header, "request_id", None)
@@ -102,7 +117,9 @@ class FrameReceiver:
         if isinstance(header, LayerHeader):
             self.write_layer(header, frames)
         elif isinstance(header, CompleteHeader):
-            self.ledger.complete(header.request_id, header.metadata, header.senders)
+            self.ledger.complete(
+                header.request_id, header.metadata, header.senders, completion_payload(frames)
+            )
         else:
             self.ledger.abort(header.request_id, header.reason, header.answered)
 
@@ -120,3 +137,9 @@ class FrameReceiver:
             except zmq.Again:
                 return
             handle(frames)
+
+
+def completion_payload(frames: list[zmq.Frame]) -> memoryview | None:
+    """A decoded completion's payload frame (its size checked by `decode`), without a copy:
+    the view keeps the zmq frame alive."""
+    return frames[1].buffer if len(frames) > 1 else None

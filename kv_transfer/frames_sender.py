@@ -2,7 +2,8 @@
 and cuda_ipc's frames mode. Each transport owns its sockets; this owns the queue in front of them.
 
 A layer is gathered into host memory (`HostStager`: asynchronously on CUDA) and queued as
-[layer header, payload]; "complete" is queued behind the request's layers. Queued messages go to
+[layer header, payload]; "complete" (with its payload frame, if any) is queued behind the
+request's layers. Queued messages go to
 their receiver's socket in queue order, each once its device-to-host copy finished, so every
 connection keeps its requests' order. Sends never block: a full send queue (the receiver stopped
 reading) fails that transfer. DONE means the completion notice was handed to zmq (the bytes are
@@ -23,7 +24,7 @@ import zmq
 from kv_transfer.base import TransferConfig, TransferState
 from kv_transfer.frames import AbortHeader, CompleteHeader, LayerHeader, encode_header
 from kv_transfer.ledger import Outgoing, SenderLedger
-from kv_transfer.pool_io import HostStager, as_bytes
+from kv_transfer.pool_io import HostStager, as_bytes, payload_view
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +89,13 @@ class FrameSender:
             frames = [encode_header(header), as_bytes(payload)]
             self._queue.append(_Queued(entry, frames, ready, completes=False))
 
-    def queue_complete(self, entry: Outgoing, metadata: dict[str, Any]) -> None:
-        """ValueError (nothing queued) if `metadata` cannot be packed."""
-        header = CompleteHeader(entry.transfer.request_id, metadata, self._senders)
-        self._queue.append(_Queued(entry, [encode_header(header)], None, completes=True))
+    def queue_complete(
+        self, entry: Outgoing, metadata: dict[str, Any], payload: torch.Tensor | bytes | None
+    ) -> None:
+        """ValueError (nothing queued) if `metadata` cannot be packed or `payload` is not on
+        the host. The payload goes zero-copy; the queue, then zmq, keep it alive until sent."""
+        frames = completion_frames(entry.transfer.request_id, metadata, payload, self._senders)
+        self._queue.append(_Queued(entry, frames, None, completes=True))
 
     def flush(self) -> None:
         """Hand ready frames to zmq in queue order (which keeps each connection's order)."""
@@ -140,3 +144,16 @@ class FrameSender:
         """Drop what is still queued; afterwards no copy reads the pool."""
         self._queue.clear()
         self._stager.synchronize()
+
+
+def completion_frames(
+    request_id: str,
+    metadata: dict[str, Any],
+    payload: torch.Tensor | bytes | None,
+    senders: int = 1,
+) -> list[Any]:
+    """[complete header] or [complete header, payload]; ValueError as `KVSender.complete`."""
+    view = None if payload is None else payload_view(payload)
+    size = 0 if view is None else view.nbytes
+    header = encode_header(CompleteHeader(request_id, metadata, senders, size))
+    return [header] if not size else [header, view]

@@ -26,9 +26,9 @@ import torch
 import zmq
 
 from kv_transfer.base import KVSender, Transfer, TransferConfig, TransferState
-from kv_transfer.frames import AbortHeader, CompleteHeader, FrameError, encode_header
+from kv_transfer.frames import AbortHeader, FrameError, encode_header
 from kv_transfer.frames_receiver import MAX_MESSAGES_PER_POLL
-from kv_transfer.frames_sender import FrameSender, connect
+from kv_transfer.frames_sender import FrameSender, completion_frames, connect
 from kv_transfer.ipc_handles import (
     Cancel,
     Hello,
@@ -76,7 +76,7 @@ class _DirectJob:
     writer: DirectWriter
     pairs: torch.Tensor  # (source, destination) block pairs, on the local GPU
     last_write: torch.cuda.Event | None = None  # completes after every earlier write of the job
-    completion: bytes | None = None  # the encoded "complete", sent once last_write completed
+    completion: list[Any] | None = None  # "complete" (+ payload), sent once last_write completed
 
 
 class CudaIpcSender(KVSender):
@@ -172,7 +172,12 @@ class CudaIpcSender(KVSender):
             self._ledger.layer_sent(entry, layer)
         self._progress()
 
-    def complete(self, request_id: str, metadata: dict[str, Any]) -> None:
+    def complete(
+        self,
+        request_id: str,
+        metadata: dict[str, Any],
+        payload: torch.Tensor | bytes | None = None,
+    ) -> None:
         self._notices()
         entry = self._ledger.lookup(request_id)
         if entry is None:
@@ -180,9 +185,9 @@ class CudaIpcSender(KVSender):
         self._ledger.check_complete(entry)
         job = self._jobs.get(request_id)
         if job is not None:
-            job.completion = encode_header(CompleteHeader(request_id, metadata))
+            job.completion = completion_frames(request_id, metadata, payload)
         else:
-            self._frames.queue_complete(entry, metadata)
+            self._frames.queue_complete(entry, metadata, payload)
         self._progress()
 
     def abort(self, request_id: str, reason: str) -> None:
@@ -233,7 +238,7 @@ class CudaIpcSender(KVSender):
             entry = self._ledger.table.get(request_id)
             if entry is None:
                 continue
-            if self._send(job.address, [job.completion]):
+            if self._send(job.address, job.completion):
                 self._ledger.table.finish(request_id, TransferState.DONE)
             else:
                 self._fail(entry, f"send queue to {job.address} is full")

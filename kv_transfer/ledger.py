@@ -186,6 +186,7 @@ class Incoming:
     heads: dict[int, set[int]] = field(default_factory=dict)  # layer -> heads written so far
     completes: int = 0  # completion notices so far (one per sending prefill rank)
     metadata: dict[str, Any] = field(default_factory=dict)  # merged from the notices
+    payload: memoryview | bytes | None = None  # the one notice's payload that carried one
     announced: bool = False  # a sender announced a KV format that fits this pool
 
 
@@ -282,14 +283,26 @@ class ReceiverLedger:
         if entry.transfer.state is TransferState.PENDING:
             entry.transfer.move_to(TransferState.IN_FLIGHT)
 
-    def complete(self, request_id: str, metadata: dict[str, Any], senders: int = 1) -> None:
-        """One sending rank's notice; each sent its frames before it on its own connection,
-        so once all `senders` notices are in, every frame is."""
+    def complete(
+        self,
+        request_id: str,
+        metadata: dict[str, Any],
+        senders: int = 1,
+        payload: memoryview | bytes | None = None,
+    ) -> None:
+        """One sending rank's notice (with its payload, if any: one rank's at most); each sent
+        its frames before it on its own connection, so once all `senders` notices are in,
+        every frame is."""
         entry = self._known(request_id, "complete")
         if entry is None:
             return
+        if payload is not None and entry.payload is not None:
+            self.fail(request_id, "two completion notices carried a payload")
+            return
         entry.completes += 1
         entry.metadata.update(metadata)
+        if payload is not None:
+            entry.payload = payload
         if entry.completes < senders:
             return
         missing = self.num_layers - len(entry.layers)
@@ -297,6 +310,7 @@ class ReceiverLedger:
             self.fail(request_id, f"incomplete: {missing} of {self.num_layers} layers missing")
             return
         entry.transfer.metadata = entry.metadata
+        entry.transfer.payload = entry.payload
         self.table.finish(request_id, TransferState.DONE)
 
     def started(self, request_id: str) -> Incoming | None:
@@ -307,7 +321,12 @@ class ReceiverLedger:
             entry.transfer.move_to(TransferState.IN_FLIGHT)
         return entry
 
-    def complete_written(self, request_id: str, metadata: dict[str, Any]) -> None:
+    def complete_written(
+        self,
+        request_id: str,
+        metadata: dict[str, Any],
+        payload: memoryview | bytes | None = None,
+    ) -> None:
         """Completion of a transfer whose sender wrote every layer into the pool itself (CUDA
         IPC) and vouches that the writes have finished: no layer frames to check."""
         entry = self._known(request_id, "complete")
@@ -316,6 +335,7 @@ class ReceiverLedger:
         for layer in range(self.num_layers):
             self.layer_written(entry, layer)
         entry.transfer.metadata = metadata
+        entry.transfer.payload = payload
         self.table.finish(request_id, TransferState.DONE)
 
     def abort(self, request_id: str, reason: str, answered: bool = False) -> None:

@@ -3,7 +3,7 @@
 A receiver registers itself under its bind address `loopback://NAME`. The sender copies each
 layer straight from its pool into the receiver's pool (after the receiver validated the frame
 against its reservation, under the receiver's lock), and delivers completion and abort notices
-as encoded headers through the receiver's inbox, which the receiver decodes in poll() exactly
+as encoded headers (a completion with its payload, as a byte view) through the receiver's inbox, which the receiver decodes in poll() exactly
 as it would a ZMQ frame. Sender and receiver may live in different threads.
 """
 
@@ -22,6 +22,7 @@ from kv_transfer.frames import (
     CompleteHeader,
     FrameError,
     LayerHeader,
+    completion_error,
     decode_header,
     encode_header,
 )
@@ -32,7 +33,7 @@ from kv_transfer.ledger import (
     ReceiverLedger,
     SenderLedger,
 )
-from kv_transfer.pool_io import gather_layer, payload_error, scatter_layer
+from kv_transfer.pool_io import gather_layer, payload_error, payload_view, scatter_layer
 
 SCHEME = "loopback://"
 
@@ -49,7 +50,7 @@ class LoopbackReceiver(KVReceiver):
             config, num_layers=pool.shape[0], num_blocks=pool.shape[2], num_heads=pool.shape[4]
         )
         self._cond = threading.Condition()  # guards the ledger, the pool writes and the inbox
-        self._inbox: deque[bytes] = deque()
+        self._inbox: deque[tuple[bytes, memoryview | None]] = deque()  # header, payload
         with _RECEIVERS_LOCK:
             if bind_address in _RECEIVERS:
                 raise ValueError(f"loopback address {bind_address!r} is already bound")
@@ -97,16 +98,17 @@ class LoopbackReceiver(KVReceiver):
                     self._ledger.layer_written(entry, header.layer)
             self._cond.notify_all()
 
-    def deliver(self, frame: bytes) -> None:
-        """Queue an encoded completion or abort header for the next poll()."""
+    def deliver(self, frame: bytes, payload: memoryview | None = None) -> None:
+        """Queue an encoded completion (and its payload) or abort header for the next poll()."""
         with self._cond:
-            self._inbox.append(frame)
+            self._inbox.append((frame, payload))
             self._cond.notify_all()
 
     def _process_inbox(self) -> None:
         while self._inbox:
+            frame, payload = self._inbox.popleft()
             try:
-                header = decode_header(self._inbox.popleft())
+                header = decode_header(frame)
             except FrameError as exc:
                 if exc.request_id is not None:
                     self._ledger.fail(exc.request_id, f"malformed frame: {exc}")
@@ -114,7 +116,12 @@ class LoopbackReceiver(KVReceiver):
                     self._ledger.malformed_frames += 1
                 continue
             if isinstance(header, CompleteHeader):
-                self._ledger.complete(header.request_id, header.metadata)
+                parts, nbytes = (1, None) if payload is None else (2, payload.nbytes)
+                error = completion_error(header, parts, nbytes)
+                if error is not None:
+                    self._ledger.fail(header.request_id, f"malformed frame: {error}")
+                else:
+                    self._ledger.complete(header.request_id, header.metadata, payload=payload)
             elif isinstance(header, AbortHeader):
                 self._ledger.abort(header.request_id, header.reason, header.answered)
             else:
@@ -156,17 +163,24 @@ class LoopbackSender(KVSender):
         receiver.write_layer(header, payload)
         self._ledger.layer_sent(entry, layer)
 
-    def complete(self, request_id: str, metadata: dict[str, Any]) -> None:
+    def complete(
+        self,
+        request_id: str,
+        metadata: dict[str, Any],
+        payload: torch.Tensor | bytes | None = None,
+    ) -> None:
         entry = self._ledger.lookup(request_id)
         if entry is None:
             return
         self._ledger.check_complete(entry)
-        frame = encode_header(CompleteHeader(request_id, metadata))
+        view = None if payload is None else payload_view(payload)
+        size = 0 if view is None else view.nbytes
+        frame = encode_header(CompleteHeader(request_id, metadata, payload_bytes=size))
         receiver = _RECEIVERS.get(entry.dest_address)
         if receiver is None:
             self._fail(entry, f"no receiver at {entry.dest_address}")
             return
-        receiver.deliver(frame)
+        receiver.deliver(frame, view if size else None)
         self._ledger.table.finish(request_id, TransferState.DONE)
 
     def abort(self, request_id: str, reason: str) -> None:

@@ -83,6 +83,19 @@ def as_bytes(payload: torch.Tensor) -> Any:
     return payload.view(torch.uint8).reshape(-1).numpy()
 
 
+def payload_view(payload: torch.Tensor | bytes) -> memoryview:
+    """A completion payload as a flat byte view without a copy (it keeps the tensor alive until
+    zmq has sent it); ValueError for a tensor not on the host or not contiguous."""
+    if isinstance(payload, torch.Tensor):
+        if payload.device.type != "cpu" or not payload.is_contiguous():
+            raise ValueError(
+                f"a completion payload must be a contiguous host tensor, got one on "
+                f"{payload.device} (contiguous: {payload.is_contiguous()})"
+            )
+        return memoryview(as_bytes(payload))
+    return memoryview(payload).cast("B")
+
+
 def from_bytes(buffer: memoryview, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
     """A tensor over a received buffer, without a copy; only ever read from."""
     with warnings.catch_warnings():

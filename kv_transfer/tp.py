@@ -77,9 +77,15 @@ class TPSender(KVSender):
         self.link.send_command({"op": "send_layers", "rid": request_id})
         self.local.send_layers(request_id, layers)
 
-    def complete(self, request_id: str, metadata: dict[str, Any]) -> None:
+    def complete(
+        self,
+        request_id: str,
+        metadata: dict[str, Any],
+        payload: torch.Tensor | bytes | None = None,
+    ) -> None:
+        # The other ranks complete with no metadata and no payload: rank 0's notice carries both.
         self.link.send_command({"op": "complete", "rid": request_id})
-        self.local.complete(request_id, metadata)
+        self.local.complete(request_id, metadata, payload)
 
     def abort(self, request_id: str, reason: str) -> None:
         self.link.send_command({"op": "abort", "rid": request_id, "reason": reason})

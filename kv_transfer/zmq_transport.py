@@ -2,7 +2,7 @@
 
 Wire format, one multipart message per frame kind (headers: kv_transfer.frames):
   [layer header, payload]  payload = pool[layer][:, src_ids] as raw bytes, sent zero-copy
-  [complete header]        after every layer of the request
+  [complete header(, payload)]  after every layer; a payload only when the header sizes one
   [abort header]
 ZMQ keeps per-connection order, so "complete" arrives after all of its layers.
 
@@ -62,12 +62,17 @@ class ZmqSender(KVSender):
         self._ledger.layer_sent(entry, layer)
         self._frames.flush()
 
-    def complete(self, request_id: str, metadata: dict[str, Any]) -> None:
+    def complete(
+        self,
+        request_id: str,
+        metadata: dict[str, Any],
+        payload: torch.Tensor | bytes | None = None,
+    ) -> None:
         entry = self._ledger.lookup(request_id)
         if entry is None:
             return
         self._ledger.check_complete(entry)
-        self._frames.queue_complete(entry, metadata)
+        self._frames.queue_complete(entry, metadata, payload)
         self._frames.flush()
 
     def abort(self, request_id: str, reason: str) -> None:
