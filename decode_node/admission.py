@@ -231,21 +231,23 @@ class PDAdmission:
         seq.block_ids, request.block_ids = request.block_ids, []
         seq.num_computed_tokens = request.num_prompt_tokens
         ended = seq.append_token(int(meta["first_token"]))
-        self._observe_prompt(request, meta.pop(AUX_ROWS_KEY, None))
+        self._observe_prompt(request, meta.pop(AUX_ROWS_KEY, None), transfer.payload)
         self.scheduler.add_running(seq)
         self.num_reserved -= 1
         request.phase = Phase.RUNNING
         request.samples.add(request.id)
         return Landed(request, ended is not None)
 
-    def _observe_prompt(self, request: Request, rows: Any) -> None:
+    def _observe_prompt(self, request: Request, rows: Any, payload: Any) -> None:
         """Before the sequence's first step: its head takes the shipped rows (the proposer
         forgets them when the request ends). Rows that do not fit are dropped with a warning:
         the output stays exact, only acceptance drops."""
         if rows is None or self._eagle3 is None:
             return
         try:
-            n = observe_shipped(self._eagle3, request.id, rows, request.num_prompt_tokens)
+            n = observe_shipped(
+                self._eagle3, request.id, rows, payload, request.num_prompt_tokens
+            )
         except ValueError as exc:
             self.stats["eagle3_aux_rows_refused"] += 1
             log.warning("dropped the prompt hidden states shipped for %r: %s", request.id, exc)

@@ -280,12 +280,13 @@ class PrefillNode:
                 self._fail(seq.request_id, f"KV transfer failed: {job.transfer_error}", 500)
                 return
             self.sender.send_layers(seq.request_id, range(self.num_layers))
+        payload = None
         if self.aux_rows is not None:
             # After the first token left: the device-to-host copy is off the TTFT path.
-            rows = self.aux_rows.to_wire(seq.request_id)
-            if rows is not None:
-                metadata[AUX_ROWS_KEY] = rows
-        self.sender.complete(seq.request_id, metadata)
+            shipped = self.aux_rows.to_wire(seq.request_id)
+            if shipped is not None:
+                metadata[AUX_ROWS_KEY], payload = shipped
+        self.sender.complete(seq.request_id, metadata, payload)
 
     def poll_transport(self) -> None:
         for transfer in self.sender.poll():

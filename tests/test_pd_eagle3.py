@@ -26,6 +26,10 @@ from common.engine.spec_decode.proposer import Drafts
 from common.model.loader import build_model
 from common.model.source import read_spec, resolve_model
 from common.protocol.sampling_params import SamplingParams
+from kv_transfer.base import TransferConfig, TransferState
+from kv_transfer.frames import MAX_HEADER_BYTES
+from kv_transfer.pool_io import as_bytes
+from kv_transfer.zmq_transport import ZmqReceiver, ZmqSender
 from tests.node_harness import engine_config
 from tests.test_spec_eagle3 import EPS, HEADS, INTER, KV_HEADS, TARGET_LAYERS, VOCAB, H, write_head
 from tests.test_spec_endings import Nodes, speculating
@@ -137,10 +141,11 @@ def test_only_the_last_rows_that_fit_the_budget_are_kept_and_they_round_trip():
     aux = torch.randn(10, width).to(torch.bfloat16)
     rows.observe(["other", "r"], [0, 0], [3, 7], torch.cat([aux[:3], aux[:7]]))
     rows.observe(["r"], [7], [3], aux[7:])
-    wire = rows.to_wire("r")
+    wire, payload = rows.to_wire("r")
     assert (wire["start"], wire["shape"], wire["dtype"]) == (6, [4, width], "bfloat16")
-    assert len(wire["data"]) == 4 * width * 2  # 3 x hidden x 2 bytes per token
-    start, back = rows_from_wire(wire, width, 10)
+    assert "data" not in wire  # the rows travel as the completion's payload frame
+    assert payload.nbytes == 4 * width * 2  # 3 x hidden x 2 bytes per token
+    start, back = rows_from_wire(wire, as_bytes(payload).tobytes(), width, 10)
     assert start == 6 and torch.equal(back, aux[6:])
     assert rows.to_wire("r") is None  # forgotten once shipped
 
@@ -151,13 +156,41 @@ def test_only_the_last_rows_that_fit_the_budget_are_kept_and_they_round_trip():
         ({"shape": [4, 5]}, "do not fit"),
         ({"start": 7}, "do not fit"),
         ({"dtype": "int8"}, "dtype"),
-        ({"data": b"\0" * 10}, "are not 10 bytes"),
+        ({"payload": b"\0" * 10}, "are not 10 bytes"),
+        ({"payload": None}, "need a payload, got NoneType"),
     ],
 )
 def test_shipped_rows_that_do_not_fit_the_prompt_or_head_are_refused(change, message):
-    wire = {"start": 6, "dtype": "bfloat16", "shape": [4, 6], "data": b"\0" * 48, **change}
+    wire = {"start": 6, "dtype": "bfloat16", "shape": [4, 6], **change}
+    payload = wire.pop("payload", b"\0" * 48)
     with pytest.raises(ValueError, match=message):
-        rows_from_wire(wire, 6, 10)
+        rows_from_wire(wire, payload, 6, 10)
+
+
+def test_rows_past_the_old_header_cap_ship_whole_over_zmq():
+    """1024 positions of Llama-3.1-8B's width (24 MiB, beyond the 16 MiB a completion header
+    may hold) go as the completion's payload frame over real zmq sockets, every row intact."""
+    width, n = 3 * 4096, 1024
+    rows = PromptAuxRows()
+    rows.expect("r", n)
+    aux = torch.randn(n, width).to(torch.bfloat16)
+    rows.observe(["r"], [0], [n], aux)
+    wire, payload = rows.to_wire("r")
+    assert payload.nbytes > MAX_HEADER_BYTES
+    pool = torch.zeros(1, 2, 2, 1, 1, 1)
+    config = TransferConfig(deadline_s=60)
+    with ZmqReceiver(pool.clone(), config, "tcp://127.0.0.1:0") as receiver:
+        receiver.expect("r", [0])
+        with ZmqSender(pool, config) as sender:
+            sender.begin("r", receiver.address, [1], [0])
+            sender.send_layer("r", 0)
+            sender.complete("r", {AUX_ROWS_KEY: wire}, payload)
+            [sent] = sender.poll()
+            assert sent.state is TransferState.DONE
+            [landed] = receiver.poll(timeout_s=30)
+    assert landed.state is TransferState.DONE, landed.error
+    start, back = rows_from_wire(landed.metadata[AUX_ROWS_KEY], landed.payload, width, n)
+    assert start == 0 and torch.equal(back, aux)
 
 
 def test_refused_rows_leave_the_request_decoding_exactly(target_dir, head_dir, tmp_path):
@@ -168,15 +201,11 @@ def test_refused_rows_leave_the_request_decoding_exactly(target_dir, head_dir, t
     nodes = Nodes(tmp_path, "bad", eagle, pd=True)
     complete = nodes.prefill.sender.complete
 
-    def narrower(request_id, metadata):
+    def narrower(request_id, metadata, payload=None):
         shipped = metadata[AUX_ROWS_KEY]
         n, width = shipped["shape"]
-        metadata[AUX_ROWS_KEY] = {
-            **shipped,
-            "shape": [n, width - 1],
-            "data": b"\0" * (n * (width - 1) * 4),
-        }
-        complete(request_id, metadata)
+        metadata[AUX_ROWS_KEY] = {**shipped, "shape": [n, width - 1]}
+        complete(request_id, metadata, b"\0" * (n * (width - 1) * 4))
 
     nodes.prefill.sender.complete = narrower
     try:
@@ -201,9 +230,8 @@ def test_observe_shipped_feeds_the_proposer_in_its_dtype(target_dir, head_dir, t
     try:
         proposer = nodes.decode.core.proposer
         aux = torch.randn(5, 3 * H).to(torch.bfloat16)
-        wire = {"start": 2, "dtype": "bfloat16", "shape": [5, 3 * H],
-                "data": aux.view(torch.uint8).numpy().tobytes()}  # fmt: skip
-        assert observe_shipped(proposer, "x", wire, 8) == 5
+        wire = {"start": 2, "dtype": "bfloat16", "shape": [5, 3 * H]}
+        assert observe_shipped(proposer, "x", wire, as_bytes(aux).tobytes(), 8) == 5
         state = proposer._states["x"]
         assert state.start == 2 and torch.equal(state.hidden, aux.float())
         proposer.release("x")
