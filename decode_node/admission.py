@@ -245,9 +245,7 @@ class PDAdmission:
         if rows is None or self._eagle3 is None:
             return
         try:
-            n = observe_shipped(
-                self._eagle3, request.id, rows, payload, request.num_prompt_tokens
-            )
+            n = observe_shipped(self._eagle3, request.id, rows, payload, request.num_prompt_tokens)
         except ValueError as exc:
             self.stats["eagle3_aux_rows_refused"] += 1
             log.warning("dropped the prompt hidden states shipped for %r: %s", request.id, exc)

@@ -30,8 +30,9 @@ from kv_transfer import (
     create_sender,
 )
 from kv_transfer.cuda_ipc import CudaIpcSender, Route
+from kv_transfer.frames import MAX_HEADER_BYTES
 from kv_transfer.loopback import LoopbackReceiver, LoopbackSender
-from kv_transfer.pool_io import write_heads
+from kv_transfer.pool_io import as_bytes, write_heads
 from kv_transfer.zmq_transport import ZmqReceiver, ZmqSender
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 3, 12, 4, 2, 8
@@ -507,6 +508,68 @@ def test_mismatched_pool_layout_fails_the_transfer(make_pair):
     send_all(sender, "r")
     (t,) = poll_until_terminal(receiver, {"r"}).values()
     assert t.state is TransferState.FAILED and "dtype torch.float32" in t.error
+
+
+def test_a_completion_payload_past_the_header_bound_arrives_with_its_metadata(make_pair):
+    """A payload frame behind "complete" (EAGLE-3 rows) is not bounded by MAX_HEADER_BYTES."""
+    sender, receiver, _, _ = make_pair()
+    data = torch.arange(MAX_HEADER_BYTES // 2 + 7, dtype=torch.int16).view(torch.bfloat16)
+    receiver.expect("r", [4])
+    receiver.expect("plain", [5])
+    sender.begin("r", receiver.address, [1], [4])
+    sender.begin("plain", receiver.address, [2], [5])
+    for layer in range(NUM_LAYERS):
+        sender.send_layer("r", layer)
+    with pytest.raises(ValueError, match="contiguous host tensor"):
+        sender.complete("r", {}, data[::2])
+    sender.complete("r", {"rows": 1}, data)
+    send_all(sender, "plain", {"rows": 0})
+    done, _ = poll_both_until_terminal(sender, receiver, {"r", "plain"})
+    assert done["r"].state is TransferState.DONE and done["r"].metadata == {"rows": 1}
+    assert bytes(done["r"].payload) == as_bytes(data).tobytes()
+    assert done["plain"].payload is None
+
+
+def completion(rid: str, payload_bytes: int) -> bytes:
+    header = {"kind": "complete", "request_id": rid, "metadata": {}, "payload_bytes": payload_bytes}
+    return msgpack.packb(header)
+
+
+BAD_COMPLETIONS = {  # request -> (message, the values its error names)
+    "short": ([completion("short", 10), bytes(9)], "payload is 9 bytes, its header says 10"),
+    "missing": ([completion("missing", 10)], "payload_bytes=10 has 1 parts, not 2"),
+    "unsized": ([completion("unsized", 0), bytes(4)], "payload_bytes=0 has 2 parts, not 1"),
+    "negative": ([completion("negative", -1), bytes(1)], "payload of -1 bytes outside"),
+}
+
+
+@pytest.mark.parametrize("transport", ["zmq", "loopback"])
+def test_malformed_completion_payloads_fail_their_transfer_naming_the_sizes(transport):
+    """The receiver reports each FAILED (so the node frees its blocks) and keeps working."""
+    config = TransferConfig(transport=transport)
+    src, dst = make_pool(torch.float32, 1), make_pool(torch.float32, 2)
+    ctx = zmq.Context()
+    receiver = create_receiver(config, dst, bind_address(transport))
+    with receiver:
+        for i, rid in enumerate(BAD_COMPLETIONS):
+            receiver.expect(rid, [i])
+        if isinstance(receiver, LoopbackReceiver):
+            for frames, _ in BAD_COMPLETIONS.values():
+                receiver.deliver(frames[0], memoryview(frames[1]) if len(frames) > 1 else None)
+        else:
+            raw = ctx.socket(zmq.PUSH)
+            raw.connect(receiver.address)
+            for frames, _ in BAD_COMPLETIONS.values():
+                raw.send_multipart(frames)
+        failed = poll_until_terminal(receiver, set(BAD_COMPLETIONS))
+        for rid, (_, error) in BAD_COMPLETIONS.items():
+            assert failed[rid].state is TransferState.FAILED
+            assert error in failed[rid].error, (rid, failed[rid].error)
+        with create_sender(config, src) as sender:
+            assert_a_good_transfer_still_lands(sender, receiver, src, dst, dst.clone())
+        if not isinstance(receiver, LoopbackReceiver):
+            raw.close(linger=0)
+    ctx.term()
 
 
 # -- hostile or broken frames on the ZMQ wire -------------------------------------------------

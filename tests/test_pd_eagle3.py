@@ -31,6 +31,7 @@ from kv_transfer.frames import MAX_HEADER_BYTES
 from kv_transfer.pool_io import as_bytes
 from kv_transfer.zmq_transport import ZmqReceiver, ZmqSender
 from tests.node_harness import engine_config
+from tests.test_kv_transfer import poll_until_terminal
 from tests.test_spec_eagle3 import EPS, HEADS, INTER, KV_HEADS, TARGET_LAYERS, VOCAB, H, write_head
 from tests.test_spec_endings import Nodes, speculating
 
@@ -187,7 +188,7 @@ def test_rows_past_the_old_header_cap_ship_whole_over_zmq():
             sender.complete("r", {AUX_ROWS_KEY: wire}, payload)
             [sent] = sender.poll()
             assert sent.state is TransferState.DONE
-            [landed] = receiver.poll(timeout_s=30)
+            landed = poll_until_terminal(receiver, {"r"})["r"]
     assert landed.state is TransferState.DONE, landed.error
     start, back = rows_from_wire(landed.metadata[AUX_ROWS_KEY], landed.payload, width, n)
     assert start == 0 and torch.equal(back, aux)
