@@ -353,6 +353,30 @@ def test_gpu_fp8_pools_are_written_directly_bit_exact():
 
 
 @needs_gpu
+def test_gpu_direct_completion_carries_its_payload_frame():
+    """The direct path sends its completion after the copies; a payload (EAGLE-3's prompt
+    rows, pinned host memory) goes with it, bytes intact, and the blocks land as without."""
+    dst = make_pool(torch.bfloat16, seed=2).to("cuda:0")
+    payload = torch.arange(3 << 20, dtype=torch.int32).pin_memory()  # 12 MiB
+    with CudaIpcReceiver(dst, GPU_CONFIG, ADDRESS) as receiver:
+        with CudaIpcSender(sender_pool(), GPU_CONFIG) as sender:
+            assert handshake(sender, receiver).direct
+            src_ids, dst_ids = MAPPINGS["a"]
+            receiver.expect("a", dst_ids)
+            sender.begin("a", receiver.address, src_ids, dst_ids)
+            sender.send_layers("a", range(NUM_LAYERS))
+            sender.complete("a", {"first_token": 7}, payload)
+            done, sent = poll_both_until_terminal(sender, receiver, {"a"})
+    assert done["a"].state is TransferState.DONE and sent["a"].state is TransferState.DONE
+    assert done["a"].metadata["first_token"] == 7
+    got = torch.frombuffer(bytearray(done["a"].payload), dtype=torch.int32)
+    assert torch.equal(got, payload)
+    assert torch.equal(
+        blocks(dst.cpu(), dst_ids), blocks(make_pool(torch.bfloat16, seed=1), src_ids)
+    )
+
+
+@needs_gpu
 def test_gpu_a_direct_writer_of_another_kv_format_is_refused_and_told_why():
     """Its "start" names the format: the receiver holds the blocks until the sender, told why
     in the "cancel", confirms its writes are over; both sides' errors name both formats."""
