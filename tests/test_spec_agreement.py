@@ -125,6 +125,16 @@ def run_pair(
         heard += drain(router)
         if not decode_node.requests and not prefill_node.jobs:
             break
+
+    def answered() -> bool:  # the request's error, or its finishing row
+        return any(
+            isinstance(m, RequestError) or (isinstance(m, TokenBatch) and any(m.finish_reasons))
+            for m in heard
+        )
+
+    # The last message may still be in flight on the socket when both nodes are done.
+    while not answered() and router.poll(10_000):
+        heard += drain(router)
     router.close(linger=0)
     return heard, decode_node, prefill_node
 

@@ -172,6 +172,13 @@ def run_one(node: DecodeNode, router, on_step=lambda seq: None) -> list[TokenBat
         heard += drain(router)
         if not node.requests:
             break
+
+    def finished() -> bool:
+        return any(isinstance(m, TokenBatch) and any(m.finish_reasons) for m in heard)
+
+    # The finishing row may still be in flight on the socket when the node is done with it.
+    while not finished() and router.poll(10_000):
+        heard += drain(router)
     return [m for m in heard if isinstance(m, TokenBatch)]
 
 
