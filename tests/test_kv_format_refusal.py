@@ -157,23 +157,29 @@ def test_fp8_kv_sent_straight_to_a_decode_node_of_another_format_is_refused(mode
 
 
 def run_pair(
-    model_dir: str, tmp_path, transport: str, prefill_engine: EngineConfig
+    tmp_path,
+    name: str,
+    prefill_engine: EngineConfig,
+    decode_engine: EngineConfig,
+    transport: str = "zmq",
+    sampling: SamplingParams | None = None,
 ) -> tuple[list, DecodeNode, PrefillNode]:
-    """One request from a prefill node built from `prefill_engine` to a plain decode node:
-    what the router heard, once both nodes hold nothing; the nodes (the caller closes them)."""
-    router_address = f"ipc://{tmp_path}/router-{transport}"
+    """One request from a prefill node built from `prefill_engine` to a decode node built from
+    `decode_engine`, sent straight to them (no router to refuse the pair): what the router
+    socket heard once both nodes hold nothing; the nodes (the caller closes them)."""
+    router_address = f"ipc://{tmp_path}/router-{name}"
     router = pull(router_address)
     decode_config = NodeConfig(
-        control_address=f"ipc://{tmp_path}/decode-{transport}", router_address=router_address,
+        control_address=f"ipc://{tmp_path}/decode-{name}", router_address=router_address,
         kv_address="tcp://127.0.0.1:0", transport=transport,
     )  # fmt: skip
     prefill_config = NodeConfig(
-        control_address=f"ipc://{tmp_path}/prefill-{transport}", router_address=router_address,
+        control_address=f"ipc://{tmp_path}/prefill-{name}", router_address=router_address,
         transport=transport,
     )  # fmt: skip
-    decode_node = DecodeNode(decode_config, engine_config(model_dir))
+    decode_node = DecodeNode(decode_config, decode_engine)
     prefill_node = PrefillNode(prefill_config, prefill_engine)
-    sampling = SamplingParams(max_tokens=4, temperature=0)
+    sampling = sampling or SamplingParams(max_tokens=4, temperature=0)
     decode_node.handle(DecodeRequest("r", PROMPT, sampling, prefill_config.control_address))
     prefill_node.handle(
         PrefillRequest("r", PROMPT, sampling, decode_config.control_address,
@@ -216,7 +222,9 @@ def test_kv_of_a_differently_quantized_model_is_refused_and_no_node_keeps_a_bloc
     quantized = dataclasses.replace(
         engine, model=dataclasses.replace(engine.model, quantization="fp8")
     )
-    heard, decode_node, prefill_node = run_pair(model_dir, tmp_path, transport, quantized)
+    heard, decode_node, prefill_node = run_pair(
+        tmp_path, transport, quantized, engine_config(model_dir), transport
+    )
     try:
         errors = [m for m in heard if isinstance(m, RequestError) and m.request_id == "r"]
         assert errors and all(e.status == 500 for e in errors), heard
@@ -233,7 +241,7 @@ def test_kv_of_a_differently_quantized_model_is_refused_and_no_node_keeps_a_bloc
 def test_a_real_fp8_prefill_node_is_refused_by_an_auto_decode_node(model_dir, tmp_path):
     engine = engine_config(model_dir)
     fp8 = dataclasses.replace(engine, cache=dataclasses.replace(engine.cache, kv_cache_dtype="fp8"))
-    heard, decode_node, prefill_node = run_pair(model_dir, tmp_path, "zmq", fp8)
+    heard, decode_node, prefill_node = run_pair(tmp_path, "zmq", fp8, engine_config(model_dir))
     try:
         errors = [m for m in heard if isinstance(m, RequestError) and m.request_id == "r"]
         assert errors and errors[0].status == 500, heard

@@ -19,16 +19,16 @@ from common.engine.config import EngineConfig
 from common.engine.kv_format import KVFormat, speculative_name
 from common.engine.worker import Worker
 from common.model.source import ModelSource
-from common.node.config import NodeConfig
-from common.protocol.messages import DecodeRequest, PrefillRequest, RequestError, TokenBatch
+from common.protocol.messages import RequestError, TokenBatch
 from common.protocol.sampling_params import SamplingParams
 from decode_node.node import DecodeNode
 from pdserve.launcher import node_summary
 from pdserve.plan import NodeProcess
 from prefill_node.node import PrefillNode
-from tests.node_harness import MAX_STEPS, engine_config, pull, save_tiny_model
+from tests.node_harness import engine_config, save_tiny_model
 from tests.pd_stack import PDStack
-from tests.test_kv_format_refusal import assert_no_block_held, close, drain
+from tests.test_kv_format_refusal import assert_no_block_held, close
+from tests.test_kv_format_refusal import run_pair as refusal_pair
 
 PROMPT = list(range(10, 50))
 F32 = KVFormat("float32", "none", "none", 30, 3, 64, 16)
@@ -97,46 +97,9 @@ def test_a_workers_format_carries_its_speculative_setting_without_k(model_dir, t
 def run_pair(
     tmp_path, name: str, prefill_engine: EngineConfig, decode_engine: EngineConfig
 ) -> tuple[list, DecodeNode, PrefillNode]:
-    """One greedy request through a prefill and a decode node over zmq, sent straight to them
-    (no router to refuse the pair): what the router socket heard once both nodes hold nothing,
-    and the nodes (the caller closes them)."""
-    router_address = f"ipc://{tmp_path}/router-{name}"
-    router = pull(router_address)
-    decode_config = NodeConfig(
-        control_address=f"ipc://{tmp_path}/decode-{name}", router_address=router_address,
-        kv_address="tcp://127.0.0.1:0", transport="zmq",
-    )  # fmt: skip
-    prefill_config = NodeConfig(
-        control_address=f"ipc://{tmp_path}/prefill-{name}", router_address=router_address,
-        transport="zmq",
-    )  # fmt: skip
-    decode_node = DecodeNode(decode_config, decode_engine)
-    prefill_node = PrefillNode(prefill_config, prefill_engine)
+    """`test_kv_format_refusal.run_pair` over zmq with one greedy request ignoring EOS."""
     sampling = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    decode_node.handle(DecodeRequest("r", PROMPT, sampling, prefill_config.control_address))
-    prefill_node.handle(
-        PrefillRequest("r", PROMPT, sampling, decode_config.control_address,
-                       decode_node.admission.receiver.address)
-    )  # fmt: skip
-    heard = []
-    for _ in range(MAX_STEPS):
-        decode_node.step()
-        prefill_node.step()
-        heard += drain(router)
-        if not decode_node.requests and not prefill_node.jobs:
-            break
-
-    def answered() -> bool:  # the request's error, or its finishing row
-        return any(
-            isinstance(m, RequestError) or (isinstance(m, TokenBatch) and any(m.finish_reasons))
-            for m in heard
-        )
-
-    # The last message may still be in flight on the socket when both nodes are done.
-    while not answered() and router.poll(10_000):
-        heard += drain(router)
-    router.close(linger=0)
-    return heard, decode_node, prefill_node
+    return refusal_pair(tmp_path, name, prefill_engine, decode_engine, sampling=sampling)
 
 
 def test_kv_of_a_prefill_node_speculating_otherwise_is_refused_and_no_node_keeps_a_block(
