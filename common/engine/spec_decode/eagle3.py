@@ -41,7 +41,7 @@ from common.engine.kv_cache import KVCache
 from common.engine.scheduler import ScheduledBatch
 from common.engine.sequence import PLACEHOLDER, Sequence
 from common.engine.spec_decode.head_graphs import HeadGraphs
-from common.engine.spec_decode.paged import PagedRows, ProposerPool, draft_blocks
+from common.engine.spec_decode.paged import PagedRows, ProposerPool, draft_blocks, drafting_rows
 from common.engine.spec_decode.proposer import Drafts
 from common.model.attention import AttentionBackend
 from common.model.eagle3 import Eagle3Head, load_eagle3_head
@@ -168,11 +168,8 @@ class Eagle3Proposer:
 
     @torch.inference_mode()
     def propose(self, batch: ScheduledBatch, limits: list[int]) -> Drafts:
-        if len(limits) != len(batch.items):
-            raise ValueError(f"{len(limits)} limits for {len(batch.items)} batch items")
         drafts: list[list[int]] = [[] for _ in batch.items]
-        # Longest limit first: the sequences still drafting at every step are a prefix.
-        active = sorted((i for i, k in enumerate(limits) if k > 0), key=lambda i: -limits[i])
+        active = drafting_rows(batch, limits)
         if not active:
             return Drafts(drafts)
         seqs = [batch.items[i].seq for i in active]

@@ -14,8 +14,17 @@ import torch
 
 from common.engine.device_copy import to_device
 from common.engine.kv_cache import KVCache
+from common.engine.scheduler import ScheduledBatch
 from common.engine.sequence import Sequence
 from common.model.attention import AttentionBackend, AttentionMetadata, ForwardContext
+
+
+def drafting_rows(batch: ScheduledBatch, limits: list[int]) -> list[int]:
+    """The batch items that draft, longest limit first: the sequences still drafting at each
+    draft step are then a prefix of them. ValueError when `limits` does not fit the batch."""
+    if len(limits) != len(batch.items):
+        raise ValueError(f"{len(limits)} limits for {len(batch.items)} batch items")
+    return sorted((i for i, k in enumerate(limits) if k > 0), key=lambda i: -limits[i])
 
 
 def draft_blocks(seq: Sequence, limit: int, block_size: int) -> list[int]:
