@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from common import LLM, SamplingParams
 from tests.hf_oracle import hf_greedy
@@ -45,6 +53,25 @@ CONFIGS = {
     ),
     "qwen3_qk_norm": lambda: Qwen3Config(
         **COMMON, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True
+    ),
+    # Experts: 8 of them, 2 per token; layer 1 of Qwen3-MoE's 3 is dense (mlp_only_layers).
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **{**COMMON, "num_hidden_layers": 3},
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        tie_word_embeddings=False,
+    ),
+    "mixtral": lambda: MixtralConfig(
+        **COMMON,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=None,
     ),
 }
 PROMPT_LENGTHS = [1, 15, 16, 17, 33, 100]

@@ -23,16 +23,29 @@ INIT_TIMEOUT = datetime.timedelta(minutes=10)  # weights of a large model load b
 
 
 class TPGroup:
-    def __init__(self, rank: int, size: int, device_group=None, cpu_group=None) -> None:
+    """`expert_parallel`: mixture-of-experts layers put whole experts on ranks instead of
+    splitting every expert (`common.model.layers.moe`); attention stays tensor parallel."""
+
+    def __init__(
+        self, rank: int, size: int, device_group=None, cpu_group=None, expert_parallel=False
+    ) -> None:
         self.rank, self.size = rank, size
         self.device_group, self.cpu_group = device_group, cpu_group
+        self.expert_parallel = expert_parallel
 
     @classmethod
     def single(cls) -> TPGroup:
         return cls(0, 1)
 
     @classmethod
-    def init(cls, rank: int, size: int, init_method: str, device: torch.device) -> TPGroup:
+    def init(
+        cls,
+        rank: int,
+        size: int,
+        init_method: str,
+        device: torch.device,
+        expert_parallel: bool = False,
+    ) -> TPGroup:
         """Join the node's process group (every rank calls this with the same address)."""
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
@@ -45,7 +58,7 @@ class TPGroup:
         )
         cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
         log.info("tensor-parallel rank %d/%d joined (%s)", rank, size, backend)
-        return cls(rank, size, dist.group.WORLD, cpu_group)
+        return cls(rank, size, dist.group.WORLD, cpu_group, expert_parallel)
 
     @property
     def is_driver(self) -> bool:

@@ -116,7 +116,7 @@ class Eagle3Layer(nn.Module):
         self.self_attn.qkv_proj = QKVParallelLinear(
             2 * layer.hidden_size, layer.head_dim, tp.layout(layer), tp, layer.qkv_bias
         )
-        self.mlp = MLP(layer, tp, None)
+        self.mlp = MLP(layer.hidden_size, layer.intermediate_size, tp, None)
         eps = layer.rms_norm_eps
         self.input_layernorm = RMSNorm(layer.hidden_size, eps)
         self.hidden_norm = RMSNorm(layer.hidden_size, eps)

@@ -1,8 +1,11 @@
-"""One compact implementation of the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2).
+"""One compact implementation of the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2)
+and its mixture-of-experts members (Qwen3-MoE, Mixtral).
 
 Variants differ only by flags in `ModelSpec`: QKV bias (Qwen2), per-head q/k RMSNorm (Qwen3),
-llama3 rope scaling, tied embeddings. Q/K/V and gate/up are fused into single matmuls
-(`PACKED_MODULES` says which checkpoint tensors each stacks).
+llama3 rope scaling, tied embeddings, and `spec.moe`: a layer's MLP is then a `MoEBlock`
+(`common.model.layers.moe`) unless the spec lists it dense. Q/K/V and gate/up are fused into
+single matmuls (`PACKED_MODULES` says which checkpoint tensors each stacks); experts are stacked
+per layer (`expert_target` maps each published per-expert tensor to its place).
 The model sees attention only through `ForwardContext`; it never imports a backend.
 Each op that feeds a linear layer gets that layer's `input_quant`: with FP8 linears the norms,
 SiLU-and-mul and the attention output hand them `Fp8Activation`s, quantized in the same kernel.
@@ -15,6 +18,7 @@ no-ops and the model is the plain one.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -28,10 +32,11 @@ from common.model.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from common.model.layers.moe import GATE, UP, Experts, MoEBlock
 from common.model.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from common.model.layers.weights import default_weight_loader
 from common.model.parallel import rank_spec
-from common.model.quantization import LinearMethod
+from common.model.quantization import LinearMethod, UnquantizedLinearMethod
 from common.model.quantization.activation import Fp8Activation
 from common.model.spec import ModelSpec
 
@@ -43,6 +48,28 @@ PACKED_MODULES: dict[str, tuple[str, ...]] = {
 
 
 KV_SCALES = ("self_attn.k_scale", "self_attn.v_scale")
+
+# A published expert tensor's projection name -> (our stacked parameter, its shard); Mixtral
+# names them w1 (gate), w3 (up), w2 (down).
+EXPERT_PARTS: dict[str, tuple[str, int]] = {
+    "gate_proj": ("gate_up_proj", GATE),
+    "up_proj": ("gate_up_proj", UP),
+    "down_proj": ("down_proj", 0),
+    "w1": ("gate_up_proj", GATE),
+    "w3": ("gate_up_proj", UP),
+    "w2": ("down_proj", 0),
+}
+_EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+
+
+def expert_target(name: str) -> tuple[str, tuple[int, int]] | None:
+    """`model.layers.3.mlp.experts.7.up_proj.weight` -> (`model.layers.3.mlp.experts.
+    gate_up_proj`, (7, UP)); None for a tensor that is not one expert's."""
+    match = _EXPERT_NAME.match(name)
+    if match is None or match.group(3) not in EXPERT_PARTS:
+        return None
+    param, shard = EXPERT_PARTS[match.group(3)]
+    return f"{match.group(1)}.{param}", (int(match.group(2)), shard)
 
 
 def _kv_scale_name(name: str) -> str:
@@ -94,16 +121,44 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: TPGroup, method: LinearMethod | None) -> None:
+    """SiLU-gated MLP; `reduce` off leaves the partial sums to the caller (shared experts)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        size: int,
+        tp: TPGroup,
+        method: LinearMethod | None,
+        reduce: bool = True,
+    ) -> None:
         super().__init__()
-        size = spec.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(
-            spec.hidden_size, [size, size], tp, method=method
-        )
-        self.down_proj = RowParallelLinear(size, spec.hidden_size, tp, method=method)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [size, size], tp, method=method)
+        self.down_proj = RowParallelLinear(size, hidden_size, tp, reduce=reduce, method=method)
+
+    @property
+    def input_quant(self):
+        return self.gate_up_proj.input_quant
 
     def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.down_proj.input_quant))
+
+
+def feed_forward(
+    spec: ModelSpec, layer: int, tp: TPGroup, method: LinearMethod | None
+) -> MLP | MoEBlock:
+    """Layer `layer`'s MLP: the experts of `spec.moe` (with any shared experts), or dense."""
+    moe = spec.moe
+    if moe is None or not moe.is_sparse(layer):
+        return MLP(spec.hidden_size, spec.intermediate_size, tp, method)
+    if method is not None and not isinstance(method, UnquantizedLinearMethod):
+        raise ValueError(
+            f"{spec.architecture}: quantized experts are not supported yet; serve this "
+            "checkpoint in bf16 (FP8 applies to dense models)"
+        )
+    shared = None
+    if moe.shared_intermediate_size:
+        shared = MLP(spec.hidden_size, moe.shared_intermediate_size, tp, method, reduce=False)
+    return MoEBlock(moe, spec.hidden_size, tp, shared)
 
 
 class DecoderLayer(nn.Module):
@@ -112,7 +167,7 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = Attention(spec, layer, tp, method)
-        self.mlp = MLP(spec, tp, method)
+        self.mlp = feed_forward(spec, layer, tp, method)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -124,7 +179,7 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual, quant)
         hidden = self.self_attn(positions, hidden, rotary, ctx)
-        quant = self.mlp.gate_up_proj.input_quant
+        quant = self.mlp.input_quant
         hidden, residual = self.post_attention_layernorm(hidden, residual, quant)
         return self.mlp(hidden), residual
 
@@ -210,13 +265,13 @@ class LlamaForCausalLM(nn.Module):
                 continue  # inv_freq buffers some checkpoints carry; ours is computed
             if name == "lm_head.weight" and self.spec.tie_word_embeddings:
                 continue
-            name = _kv_scale_name(name)
+            name = _kv_scale_name(name).replace(".block_sparse_moe.", ".mlp.")  # Mixtral's
             if name in kv_scales:
                 if tensor.numel() != 1:
                     raise ValueError(f"KV scale {name!r} has shape {tuple(tensor.shape)}")
                 kv_scales[name].fill_(tensor.reshape(()).float())
                 continue
-            target, shard_id = self._packed_target(name)
+            target, shard_id = expert_target(name) or self._packed_target(name)
             if target not in params:
                 raise ValueError(
                     f"checkpoint tensor {name!r} has no place in {self.spec.architecture}"
@@ -229,6 +284,9 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"tensor {name!r} {e}") from e
             loaded.add(target)
         missing = sorted(set(params) - loaded)
+        for name, module in self.named_modules():
+            if isinstance(module, Experts) and module.missing():
+                missing.append(f"{name}: {', '.join(module.missing()[:4])}")
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {missing[:8]}")
 

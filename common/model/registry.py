@@ -48,6 +48,8 @@ MODELS: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
 }
 
 

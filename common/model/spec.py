@@ -1,7 +1,9 @@
 """The numbers our model code needs, read once from a Hugging Face config.
 
 `ModelSpec` is frozen and backend-free: the model, the KV cache sizing and the transfer layer
-all read it instead of poking at transformers' config objects.
+all read it instead of poking at transformers' config objects. A mixture-of-experts model adds
+a `MoESpec` (Qwen3-MoE, Mixtral, DeepSeek); DeepSeek's multi-head latent attention an
+`MLASpec`, which changes what the KV cache holds per token (`kv_cache_geometry`).
 """
 
 from __future__ import annotations
@@ -11,19 +13,109 @@ from typing import Any
 
 from common.model.quantization.config import QuantConfig, parse_quantization_config
 
-# Architecture name -> flags of our one Llama-family implementation.
+# Architecture name -> attention flags (the Llama family's; DeepSeek's attention is MLA).
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
+    "Qwen3MoeForCausalLM": {"qkv_bias": False, "qk_norm": True},
+    "MixtralForCausalLM": {"qkv_bias": False, "qk_norm": False},
 }
 MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
+DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A mixture-of-experts MLP: a gate scores `num_experts` experts per token, the `top_k`
+    best run (SiLU-gated MLPs of `intermediate_size`) and their outputs are summed, weighted.
+
+    Routing, as the published models do it:
+    - `scoring` "softmax" (Qwen3-MoE, Mixtral, DeepSeek-V2) or "sigmoid" (DeepSeek-V3);
+    - `num_groups` > 1: experts come in groups; only the `topk_groups` best groups (scored by
+      `group_score`: "max" of a group's scores, V2; "top2_sum", V3) may be picked;
+    - `correction_bias` (V3): a per-expert bias added to the scores for choosing only;
+    - `renormalize`: the chosen weights are divided by their sum; then all are multiplied by
+      `routed_scaling`.
+    `shared_intermediate_size` > 0: a plain MLP every token also runs (DeepSeek's shared
+    experts, fused into one). Layers in `dense_layers` have the plain MLP of the model's
+    `intermediate_size` instead (DeepSeek's first `first_k_dense_replace`, Qwen3-MoE's
+    `mlp_only_layers`)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    scoring: str = "softmax"
+    renormalize: bool = True
+    routed_scaling: float = 1.0
+    num_groups: int = 1
+    topk_groups: int = 1
+    group_score: str = "max"
+    correction_bias: bool = False
+    shared_intermediate_size: int = 0
+    dense_layers: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"top_k {self.top_k} must be in 1..num_experts {self.num_experts}")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"unsupported expert scoring {self.scoring!r}: softmax or sigmoid")
+        if self.group_score not in ("max", "top2_sum"):
+            raise ValueError(f"unsupported group score {self.group_score!r}: max or top2_sum")
+        if self.num_experts % self.num_groups or not 0 < self.topk_groups <= self.num_groups:
+            raise ValueError(
+                f"{self.num_experts} experts in {self.num_groups} groups, "
+                f"{self.topk_groups} groups picked: not a valid grouping"
+            )
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """DeepSeek's multi-head latent attention. Queries go through a LoRA of rank `q_lora_rank`
+    (None: one projection); keys and values are rebuilt from a `kv_lora_rank` latent shared by
+    every head, plus one `qk_rope_head_dim` rotary key shared by every head. Each head's query
+    and key have `qk_nope_head_dim + qk_rope_head_dim` values, its value `v_head_dim`. The cache
+    holds only the latent and the rotary key: `kv_lora_rank + qk_rope_head_dim` per token."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class KVCacheGeometry:
+    """What one token of one layer occupies in the KV pool: `planes` tensors (2: K and V;
+    1: MLA's latent) of `heads` x `head_dim` values each."""
+
+    planes: int
+    heads: int
+    head_dim: int
+
+    def describe(self) -> str:
+        if self.planes == 1:
+            return f"latent {self.heads} x {self.head_dim}"
+        return f"K/V {self.heads} heads x {self.head_dim}"
 
 
 @dataclass(frozen=True)
@@ -55,6 +147,8 @@ class ModelSpec:
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     quantization: QuantConfig | None = None  # what the checkpoint's weights are stored as
+    moe: MoESpec | None = None
+    mla: MLASpec | None = None
 
     @property
     def q_size(self) -> int:
@@ -64,8 +158,17 @@ class ModelSpec:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def kv_cache_geometry(self) -> KVCacheGeometry:
+        """One latent "head" for MLA (every tensor-parallel rank holds it whole), else this
+        spec's K and V heads."""
+        if self.mla is not None:
+            return KVCacheGeometry(1, 1, self.mla.cache_dim)
+        return KVCacheGeometry(2, self.num_kv_heads, self.head_dim)
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.kv_size * dtype_bytes
+        g = self.kv_cache_geometry
+        return g.planes * self.num_layers * g.heads * g.head_dim * dtype_bytes
 
     @classmethod
     def from_hf_config(cls, config: Any, eos_token_ids: tuple[int, ...] = ()) -> ModelSpec:
@@ -82,6 +185,8 @@ class ModelSpec:
         flags = SUPPORTED_ARCHITECTURES[arch]
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        if arch in DEEPSEEK:  # HF's `head_dim` there is the rotary part only
+            head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         sliding = getattr(config, "sliding_window", None)
         if arch.startswith("Qwen") and not getattr(config, "use_sliding_window", False):
             sliding = None
@@ -105,7 +210,70 @@ class ModelSpec:
             sliding_window=sliding,
             eos_token_ids=eos_token_ids,
             quantization=parse_quantization_config(_as_dict(config, "quantization_config")),
+            moe=moe_spec(arch, config),
+            mla=_mla_spec(config) if arch in DEEPSEEK else None,
         )
+
+
+def moe_spec(arch: str, config: Any) -> MoESpec | None:
+    """The experts as each family's config.json states them (None: a dense model)."""
+    layers = range(config.num_hidden_layers)
+    if arch == "MixtralForCausalLM":
+        return MoESpec(_num_experts(config), config.num_experts_per_tok, config.intermediate_size)
+    if arch == "Qwen3MoeForCausalLM":
+        step = getattr(config, "decoder_sparse_step", 1) or 1
+        only = set(getattr(config, "mlp_only_layers", None) or [])
+        dense = frozenset(i for i in layers if i in only or (i + 1) % step)
+        return MoESpec(
+            _num_experts(config),
+            config.num_experts_per_tok,
+            config.moe_intermediate_size,
+            renormalize=bool(getattr(config, "norm_topk_prob", False)),
+            dense_layers=dense,
+        )
+    if arch not in DEEPSEEK:
+        return None
+    first_dense = getattr(config, "first_k_dense_replace", 0) or 0
+    freq = getattr(config, "moe_layer_freq", 1) or 1
+    v3 = arch == "DeepseekV3ForCausalLM"
+    method = getattr(config, "topk_method", "noaux_tc" if v3 else "greedy")
+    grouped = method in ("group_limited_greedy", "noaux_tc")
+    scoring = getattr(config, "scoring_func", "sigmoid" if v3 else "softmax")
+    shared = getattr(config, "n_shared_experts", 0) or 0
+    return MoESpec(
+        _num_experts(config),
+        config.num_experts_per_tok,
+        config.moe_intermediate_size,
+        scoring=scoring,
+        renormalize=bool(getattr(config, "norm_topk_prob", False)),
+        routed_scaling=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0),
+        num_groups=(getattr(config, "n_group", None) or 1) if grouped else 1,
+        topk_groups=(getattr(config, "topk_group", None) or 1) if grouped else 1,
+        group_score="top2_sum" if method == "noaux_tc" else "max",
+        correction_bias=method == "noaux_tc",
+        shared_intermediate_size=shared * config.moe_intermediate_size,
+        dense_layers=frozenset(i for i in layers if i < first_dense or i % freq),
+    )
+
+
+def _num_experts(config: Any) -> int:
+    # Published configs say num_experts (Qwen3-MoE) / n_routed_experts (DeepSeek) /
+    # num_local_experts (Mixtral); transformers >= 5 saves num_local_experts for all.
+    for key in ("num_experts", "n_routed_experts", "num_local_experts"):
+        value = getattr(config, key, None)
+        if value:
+            return int(value)
+    raise ValueError("a mixture-of-experts config.json must state its number of experts")
+
+
+def _mla_spec(config: Any) -> MLASpec:
+    return MLASpec(
+        q_lora_rank=getattr(config, "q_lora_rank", None) or None,
+        kv_lora_rank=config.kv_lora_rank,
+        qk_nope_head_dim=config.qk_nope_head_dim,
+        qk_rope_head_dim=config.qk_rope_head_dim,
+        v_head_dim=config.v_head_dim,
+    )
 
 
 def _as_dict(config: Any, key: str) -> dict[str, Any] | None:
