@@ -185,6 +185,7 @@ class ModelSpec:
         flags = SUPPORTED_ARCHITECTURES[arch]
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         if arch in DEEPSEEK:  # HF's `head_dim` there is the rotary part only
             head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         sliding = getattr(config, "sliding_window", None)
@@ -199,7 +200,8 @@ class ModelSpec:
             intermediate_size=config.intermediate_size,
             num_layers=config.num_hidden_layers,
             num_heads=num_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            # MLA's cache is one latent "head" every query head reads (and every TP rank holds)
+            num_kv_heads=1 if arch in DEEPSEEK else kv_heads,
             head_dim=head_dim,
             rms_norm_eps=config.rms_norm_eps,
             rope=_rope_spec(config),
