@@ -8,8 +8,12 @@ sequence's context holds NaN, so a kernel that reads past a length or an unowned
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -185,6 +189,28 @@ def test_misuse_raises_value_errors_naming_the_values():
         paged_mla_decode(q_nope, q_pe, fp8, table, lens, SCALE, kv_scale=0.0)
     with pytest.raises(ValueError, match="Dc=384"):
         write_latent(torch.zeros(1, 384), torch.zeros(1, DR), torch.zeros(2, 8, 1, 448), lens)
+
+
+def test_decode_benchmark_smoke_run_reports_checked_times_and_floors(tmp_path):
+    out = tmp_path / "mla.json"
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(root / "benchmarks" / "bench_mla_decode.py"),
+            "--smoke",
+            "--out",
+            str(out),
+        ],
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    assert [(r["heads"], r["batch"]) for r in results] == [(16, 1), (16, 2)]
+    assert all(r["us_per_call"] > 0 and r["floor_us"] > 0 and r["max_err"] < 2e-2 for r in results)
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -20,8 +20,9 @@ fp32 accumulation, fp32 inputs at ieee precision. A float8_e4m3fn cache holds
 q's dtype in registers, kv_scale joins the softmax scale and multiplies the accumulator once
 (keys and values are the same numbers, so one scale).
 
-Decode is split-K flash decoding writing `paged_attention.DecodeScratch` partials (its layout
-with head_dim = Dc), reduced by `paged_attention`'s reduce kernel.
+Decode is split-K flash decoding into `paged_attention.DecodeScratch` partials (its layout, with
+head_dim = Dc) and a reduce kernel that walks the splits, so a 512-wide row of every split
+never has to sit in registers at once.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from common.model.kernels.paged_attention import (
     MAX_DECODE_SPLITS,
     MIN_KEYS_PER_SPLIT,
     DecodeScratch,
-    _decode_reduce_kernel,
     _num_sms,
 )
 
@@ -72,8 +72,9 @@ def _mla_attend(
             pages = tl.load(table_ptr + offs_n // PAGE_SIZE)
         rows = pages.to(tl.int64) * stride_cb + (offs_n % PAGE_SIZE) * stride_cs
         if MASKED:
-            c = tl.load(cache_ptr + rows[:, None] + offs_c[None, :], mask=n_mask[:, None], other=0.0)
-            k_r = tl.load(cache_ptr + rows[:, None] + offs_r[None, :], mask=n_mask[:, None], other=0.0)
+            keep = n_mask[:, None]
+            c = tl.load(cache_ptr + rows[:, None] + offs_c[None, :], mask=keep, other=0.0)
+            k_r = tl.load(cache_ptr + rows[:, None] + offs_r[None, :], mask=keep, other=0.0)
         else:
             c = tl.load(cache_ptr + rows[:, None] + offs_c[None, :])
             k_r = tl.load(cache_ptr + rows[:, None] + offs_r[None, :])
@@ -181,6 +182,30 @@ def _decode_kernel(
         tl.store(part_acc_ptr + part[:, None] * DC + offs_c[None, :], acc, mask=row_mask[:, None])
 
 
+@triton.jit
+def _decode_reduce_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, stride_ot, stride_oh,
+                          num_splits, SPLITS_P2: tl.constexpr, DC: tl.constexpr):  # fmt: skip
+    """Grid (num_seqs, num_heads): each split's partial sums rescaled to the global max, added."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    base = (seq * tl.num_programs(1) + head) * num_splits
+    offs_s = tl.arange(0, SPLITS_P2)
+    m = tl.load(part_m_ptr + base + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    m_max = tl.max(m, 0)
+    # All splits empty (seq_len 0): every weight is exp2(-inf) = 0 and the output 0.
+    m_shift = tl.where(m_max == float("-inf"), 0.0, m_max)
+    offs_c = tl.arange(0, DC)
+    acc = tl.zeros([DC], tl.float32)
+    denom = 0.0
+    for split in range(num_splits):
+        w = tl.math.exp2(tl.load(part_m_ptr + base + split) - m_shift)
+        denom += tl.load(part_l_ptr + base + split) * w
+        acc += tl.load(part_acc_ptr + (base + split) * DC + offs_c) * w
+    out = acc / tl.where(denom == 0.0, 1.0, denom)
+    out_row = out_ptr + seq * stride_ot + head * stride_oh
+    tl.store(out_row + offs_c, out.to(out_ptr.dtype.element_ty))
+
+
 # fmt: off
 @triton.jit
 def _prefill_kernel(
@@ -191,7 +216,8 @@ def _prefill_kernel(
     DR: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # fmt: on
-    """Grid (cdiv(max_query_len, BLOCK_Q), head_groups, num_seqs): BLOCK_Q tokens x BLOCK_H heads."""
+    """Grid (cdiv(max_query_len, BLOCK_Q), head_groups, num_seqs): BLOCK_Q tokens x BLOCK_H
+    heads per program."""
     # Causal: later query tiles see more keys; launching them first lets short ones fill the tail.
     q_block = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(2)
@@ -281,15 +307,11 @@ def _check_cache(cache: torch.Tensor, dc: int, dr: int, kv_scale: float) -> bool
     return True
 
 
-def _check_q(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, kv_scale: float) -> bool:
-    if (
-        q_nope.dim() != 3
-        or q_pe.dim() != 3
-        or q_nope.shape[:2] != q_pe.shape[:2]
-        or q_nope.stride(2) != 1
-        or q_pe.stride(2) != 1
-        or q_nope.dtype != q_pe.dtype
-    ):
+def _check_q(
+    q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, kv_scale: float
+) -> bool:
+    shapes_ok = q_nope.dim() == q_pe.dim() == 3 and q_nope.shape[:2] == q_pe.shape[:2]
+    if not shapes_ok or q_nope.stride(2) != 1 or q_pe.stride(2) != 1 or q_nope.dtype != q_pe.dtype:
         raise ValueError(
             f"q_nope and q_pe must be [tokens, heads, D] of one dtype with D contiguous; got "
             f"{tuple(q_nope.shape)} {q_nope.dtype} strides {q_nope.stride()} and "
@@ -301,6 +323,11 @@ def _check_q(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, kv_s
 def _strides(q_nope, q_pe, out, cache, block_tables) -> tuple[int, ...]:
     return (q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0),
             out.stride(1), cache.stride(0), cache.stride(1), block_tables.stride(0))  # fmt: skip
+
+
+def _block_n(cache: torch.Tensor) -> int:
+    """Keys per tile: 32 rows of 576 bf16 (or FP8) values, 16 of fp32 (shared memory)."""
+    return 16 if cache.element_size() == 4 else 32
 
 
 def mla_decode_splits(
@@ -376,13 +403,13 @@ def paged_mla_decode(
     _decode_kernel[grid](
         q_nope, q_pe, cache, out, *parts, seq_lens, block_tables, scale_log2, kv_scale, num_heads,
         *_strides(q_nope, q_pe, out, cache, block_tables), BLOCK_H=DECODE_BLOCK_H,
-        PAGE_SIZE=cache.shape[1], DC=dc, DR=q_pe.shape[2], BLOCK_N=block_n or 32,
+        PAGE_SIZE=cache.shape[1], DC=dc, DR=q_pe.shape[2], BLOCK_N=block_n or _block_n(cache),
         SINGLE_SPLIT=num_splits == 1, KV_FP8=kv_fp8, num_warps=4, num_stages=2,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, *parts, out.stride(0), out.stride(1), num_splits,
-            SPLITS_P2=triton.next_power_of_2(num_splits), HEAD_DIM=dc, BLOCK_D=dc, num_warps=4,
+            SPLITS_P2=triton.next_power_of_2(num_splits), DC=dc, num_warps=4,
         )  # fmt: skip
     return out
 
@@ -413,10 +440,15 @@ def paged_mla_prefill(
     num_seqs = query_start_loc.shape[0] - 1
     if num_seqs <= 0 or max_query_len <= 0:
         return out
+    if seq_lens.shape[0] < num_seqs or block_tables.shape[0] < num_seqs:
+        raise ValueError(f"{num_seqs} sequences but seq_lens {tuple(seq_lens.shape)}, "
+                         f"block_tables {tuple(block_tables.shape)}")  # fmt: skip
     # Tile rows = BLOCK_Q tokens x BLOCK_H heads, at most 64 (a 64 x 512 fp32 accumulator over
-    # 8 warps), fewer for short chunks.
+    # 8 warps; 32 for fp32 operands, whose tiles would overflow shared memory), fewer for short
+    # chunks.
     block_h = min(16, triton.next_power_of_2(num_heads))
-    rows = max(16, min(64, triton.next_power_of_2(max_query_len * block_h)))
+    max_rows = 32 if cache.element_size() == 4 else 64
+    rows = max(16, min(max_rows, triton.next_power_of_2(max_query_len * block_h)))
     block_q = rows // block_h
     grid = (triton.cdiv(max_query_len, block_q), triton.cdiv(num_heads, block_h), num_seqs)
     scale_log2 = scale * LOG2E * (kv_scale if kv_fp8 else 1.0)
@@ -424,7 +456,8 @@ def paged_mla_prefill(
         q_nope, q_pe, cache, out, query_start_loc, seq_lens, block_tables, scale_log2, kv_scale,
         num_heads, *_strides(q_nope, q_pe, out, cache, block_tables), BLOCK_H=block_h,
         BLOCK_Q=block_q, PAGE_SIZE=cache.shape[1], DC=dc, DR=q_pe.shape[2],
-        BLOCK_N=block_n or 32, KV_FP8=kv_fp8, num_warps=8 if rows > 32 else 4, num_stages=2,
+        BLOCK_N=block_n or _block_n(cache), KV_FP8=kv_fp8, num_warps=8 if rows > 32 else 4,
+        num_stages=2,
     )  # fmt: skip
     return out
 
