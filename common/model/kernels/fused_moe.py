@@ -75,7 +75,6 @@ class MoEConfig:
 # narrow N tiles to spread one expert's weights over many SMs; prefill: big tiles. Starting
 # points, to be tuned with benchmarks/bench_moe.py --sweep on the GPU.
 MOE_CONFIGS: tuple[tuple[float, MoEConfig], ...] = (
-    (4, MoEConfig(16, GemmTiles(64, 128, 4, 4), GemmTiles(64, 128, 4, 4))),
     (16, MoEConfig(16, GemmTiles(64, 128, 4, 4), GemmTiles(64, 128, 4, 4))),
     (64, MoEConfig(64, GemmTiles(64, 64, 4, 4), GemmTiles(128, 64, 4, 4))),
     (float("inf"), MoEConfig(128, GemmTiles(64, 64, 8, 4), GemmTiles(128, 64, 8, 4))),
@@ -87,14 +86,16 @@ IMPLS = ("auto", "triton", "grouped_mm", "reference")
 
 def pick_config(num_tokens: int, top_k: int, w13: torch.Tensor, sms: int = 132) -> MoEConfig:
     """The table's entry for T * k / E rows per expert; with `fill_sms`, block_n halved while
-    the programs of the touched experts (at most min(E, T * k)) number fewer than `sms`."""
+    the programs of the row blocks that hold pairs (at least one per touched expert) number
+    fewer than `sms`."""
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     hidden = w13.shape[2]
     per_expert = num_tokens * top_k / num_experts
     config = next(c for top, c in MOE_CONFIGS if per_expert <= top)
     if not config.fill_sms:
         return config
-    blocks = triton.cdiv(num_tokens * top_k, config.block_m) + min(num_experts, num_tokens * top_k)
+    pairs = num_tokens * top_k
+    blocks = max(triton.cdiv(pairs, config.block_m), min(num_experts, pairs))
     return dataclasses.replace(
         config,
         gate_up=_narrowed(config.gate_up, blocks, inter, sms),
@@ -196,7 +197,7 @@ def fused_moe_grouped_mm(
     tokens, hidden, num_experts, inter, _ = _check(x, w13, w2, topk_weights, topk_ids)
     if x.device.type == "cuda" and x.dtype != torch.bfloat16:
         raise ValueError(f"grouped_mm runs bf16 only on CUDA (other dtypes sync), got {x.dtype}")
-    if (2 * hidden * x.element_size()) % 16 or (inter * x.element_size()) % 16:
+    if (hidden * x.element_size()) % 16 or (inter * x.element_size()) % 16:
         raise ValueError(f"grouped_mm needs rows of 16-byte multiples, got H={hidden}, I={inter}")
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     if tokens == 0:

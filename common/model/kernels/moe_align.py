@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-ONE_PROGRAM_PAIRS = 1024  # up to this many pairs one launch builds the plan
-PAIRS_PER_PROGRAM = 512  # beyond: pairs each counting / placing program owns
+ONE_PROGRAM_PAIRS = 256  # up to this many pairs one launch builds the plan (T = 32 at k = 8)
+PAIRS_PER_PROGRAM = 256  # beyond: pairs each counting / placing program owns
 _TILE = 1024  # rows per store when filling the tail past the last expert
 
 
