@@ -101,7 +101,8 @@ def test_multi_program_plan_equals_the_one_program_plan(monkeypatch):
 
 
 def test_ids_outside_the_experts_drop_their_pair_everywhere():
-    x, w13, w2, weights, ids = operands(5, 4, 2, 64, 32, torch.float32)
+    dtype = torch.bfloat16 if CUDA else torch.float32  # grouped_mm: bf16 only on CUDA
+    x, w13, w2, weights, ids = operands(5, 4, 2, 64, 32, dtype)
     ids[1, 0], ids[3, 1] = -1, 4
     plan = fm.moe_align(ids, 4, 16)
     assert plan.pair_rows[2].item() == -1 and plan.pair_rows[7].item() == -1
@@ -111,7 +112,7 @@ def test_ids_outside_the_experts_drop_their_pair_everywhere():
     ref = fm.moe_reference(x, w13, w2, kept, ids.clamp(0, 3))
     for impl in ("triton", "grouped_mm", "reference"):
         out = fm.experts_forward(x, w13, w2, weights, ids, impl=impl)
-        torch.testing.assert_close(out, ref, **TOL[torch.float32])
+        torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
 
 
 # (T, E, k, I, dtype, config): T = 1, 3, 17; some experts get no token; uneven K tiles.
@@ -135,6 +136,8 @@ def test_triton_path_matches_the_float32_expert_loop(tokens, experts, top_k, int
 
 @pytest.mark.parametrize("tokens,experts,top_k,inter,dtype,_", CASES[:2] + CASES[4:])
 def test_grouped_mm_path_matches_the_float32_expert_loop(tokens, experts, top_k, inter, dtype, _):
+    if CUDA and dtype != torch.bfloat16:
+        pytest.skip("grouped_mm runs bf16 only on CUDA")
     args = operands(tokens, experts, top_k, 64, inter, dtype, used=experts - 2)
     out = fm.fused_moe_grouped_mm(*args)
     assert out.dtype == dtype and out.shape == (tokens, 64)
@@ -151,7 +154,7 @@ def test_triton_path_is_deterministic_and_takes_int64_ids():
 def test_auto_is_the_reference_on_cpu_and_no_tokens_give_an_empty_output():
     args = operands(3, 4, 2, 64, 32, torch.float32, device=torch.device("cpu"))
     assert torch.equal(fm.experts_forward(*args), fm.moe_reference(*args))
-    empty = operands(0, 4, 2, 64, 32, torch.float32)
+    empty = operands(0, 4, 2, 64, 32, torch.bfloat16)
     for impl in ("triton", "grouped_mm"):
         assert fm.experts_forward(*empty, impl=impl).shape == (0, 64)
 
@@ -206,8 +209,10 @@ QWEN3 = dict(experts=128, top_k=8, hidden=2048, inter=768)  # Qwen3-30B-A3B, one
 
 @pytest.fixture(scope="module")
 def qwen3_weights():
-    _, w13, w2, _, _ = operands(1, QWEN3["experts"], QWEN3["top_k"], QWEN3["hidden"],
-                                QWEN3["inter"], torch.bfloat16)  # fmt: skip
+    torch.manual_seed(0)
+    e, h, i = QWEN3["experts"], QWEN3["hidden"], QWEN3["inter"]
+    w13 = (torch.randn(e, 2 * i, h, device=DEVICE) * h**-0.5).bfloat16()
+    w2 = (torch.randn(e, h, i, device=DEVICE) * i**-0.5).bfloat16()
     return w13, w2
 
 
@@ -224,10 +229,18 @@ def test_gpu_paths_match_the_reference_at_qwen3_moe_shapes(qwen3_weights, tokens
 
 
 @gpu
+def test_grouped_mm_refuses_dtypes_that_would_sync_on_cuda():
+    args = operands(3, 4, 2, 64, 32, torch.float32)
+    with pytest.raises(ValueError, match=r"bf16 only on CUDA .* got torch.float32"):
+        fm.fused_moe_grouped_mm(*args)
+    assert fm.experts_forward(*args).dtype == torch.float32  # auto takes triton instead
+
+
+@gpu
+@pytest.mark.parametrize("tokens", [32, 2048])  # the plan in one launch, and in three
 @pytest.mark.parametrize("impl", ["triton", "grouped_mm"])
-def test_gpu_paths_replay_in_a_cuda_graph_with_new_routing(qwen3_weights, impl):
+def test_gpu_paths_replay_in_a_cuda_graph_with_new_routing(qwen3_weights, tokens, impl):
     w13, w2 = qwen3_weights
-    tokens = 32
     x = torch.randn(tokens, QWEN3["hidden"], device=DEVICE).bfloat16()
     weights, ids = routing(tokens, QWEN3["experts"], QWEN3["top_k"], seed=1)
     side = torch.cuda.Stream()
