@@ -23,6 +23,7 @@ Both GPU paths keep every shape static in T (no host sync), so CUDA graphs captu
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -285,6 +286,7 @@ def _check(x, w13, w2, topk_weights, topk_ids) -> tuple[int, int, int, int, int]
     return tokens, hidden, num_experts, inter, topk_ids.shape[1]
 
 
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # an H200's, so CPU runs pick the configs the GPU picks
