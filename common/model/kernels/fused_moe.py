@@ -72,16 +72,21 @@ class MoEConfig:
     fill_sms: bool = True  # halve block_n (to 16) while the programs leave SMs idle
 
 
-# By the mean rows per expert, T * k / E (the key is its largest value). Decode: 16-row blocks,
-# narrow N tiles to spread one expert's weights over many SMs; prefill: big tiles. Starting
-# points, to be tuned with benchmarks/bench_moe.py --sweep on the GPU.
+# By the mean rows per expert, T * k / E (the key is its largest value): the best of
+# `bench_moe.py --sweep` on one H200 (2026-11-24; Qwen3-30B-A3B, Mixtral-8x7B, DeepSeek-V2-Lite
+# layers, bf16). Decode: 16-row blocks and N tiles narrowed to spread one expert's weights over
+# many SMs; prefill: 128-row blocks, deep K tiles.
 MOE_CONFIGS: tuple[tuple[float, MoEConfig], ...] = (
-    (16, MoEConfig(16, GemmTiles(64, 128, 4, 4), GemmTiles(64, 128, 4, 4))),
-    (64, MoEConfig(64, GemmTiles(64, 64, 4, 4), GemmTiles(128, 64, 4, 4))),
-    (float("inf"), MoEConfig(128, GemmTiles(64, 64, 8, 4), GemmTiles(128, 64, 8, 4))),
+    (0.5, MoEConfig(16, GemmTiles(64, 256, 4, 3), GemmTiles(64, 256, 4, 3))),
+    (16, MoEConfig(16, GemmTiles(128, 128, 4, 3), GemmTiles(128, 128, 4, 3))),
+    (64, MoEConfig(64, GemmTiles(128, 64, 8, 4), GemmTiles(128, 64, 8, 4))),
+    (float("inf"), MoEConfig(128, GemmTiles(128, 64, 8, 3), GemmTiles(256, 64, 8, 3))),
 )
-# (largest T, impl) for "auto" on CUDA, first match wins; the lead sets it from the benchmark.
-AUTO_IMPL: tuple[tuple[float, str], ...] = ((float("inf"), "grouped_mm"),)
+# "auto" on CUDA: triton, but cuBLAS's grouped GEMM once experts are big and full: in that run
+# it beat the best triton tiles only on Mixtral (intermediate 14336) from 512 rows per expert
+# (2731 against 2958 us at 2048 tokens); triton led everywhere else, by x1.5-1.9 at decode sizes.
+AUTO_IMPL: tuple[tuple[float, str], ...] = ((512, "triton"), (float("inf"), "grouped_mm"))
+GROUPED_MM_MIN_INTERMEDIATE = 8192
 IMPLS = ("auto", "triton", "grouped_mm", "reference")
 
 
@@ -119,12 +124,12 @@ def experts_forward(
     topk_ids: torch.Tensor,
     impl: str = "auto",
 ) -> torch.Tensor:
-    """`out` [T, H] by `impl`: "auto" (the reference on CPU; on CUDA `AUTO_IMPL` by T, triton
-    where grouped_mm cannot run), "triton", "grouped_mm" or "reference"."""
+    """`out` [T, H] by `impl`: "auto" (the reference on CPU; on CUDA `AUTO_IMPL` by rows per
+    expert, triton for small experts or where grouped_mm cannot run), "triton", "grouped_mm" or "reference"."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        impl = _auto_impl(x)
+        impl = _auto_impl(x, w13, topk_ids.shape[1])
     if impl == "reference":
         return moe_reference(x, w13, w2, topk_weights, topk_ids)
     if impl == "grouped_mm":
@@ -132,11 +137,13 @@ def experts_forward(
     return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
 
 
-def _auto_impl(x: torch.Tensor) -> str:
+def _auto_impl(x: torch.Tensor, w13: torch.Tensor, top_k: int) -> str:
     if x.device.type != "cuda":
         return "reference"
-    impl = next(name for top, name in AUTO_IMPL if x.shape[0] <= top)
-    if impl == "grouped_mm" and x.dtype != torch.bfloat16:
+    per_expert = x.shape[0] * top_k / w13.shape[0]
+    impl = next(name for top, name in AUTO_IMPL if per_expert < top)
+    small = w13.shape[1] // 2 < GROUPED_MM_MIN_INTERMEDIATE
+    if impl == "grouped_mm" and (x.dtype != torch.bfloat16 or small):
         return "triton"
     return impl
 
