@@ -188,3 +188,18 @@ def test_pd_from_a_tp1_prefill_into_an_expert_parallel_decode_node_gives_the_sam
         assert stack.node("decode")["load"].get("kv_transfer_failures", 0) == 0
     finally:
         assert stack.stop() == [], "processes left after Ctrl-C"
+
+
+def test_moe_parallel_benchmark_smoke_reports_each_layouts_split_and_combine(tmp_path):
+    from benchmarks import bench_moe_parallel
+
+    out = tmp_path / "moe"
+    argv = ["--smoke", "--no-check", "--layouts", "tp2", "ep2", "--out", str(out)]
+    result = bench_moe_parallel.main(argv)
+    rows = {(r["layout"], r["batch"]): r for r in result["decode"]}
+    assert sorted(rows) == [("ep2", 2), ("ep2", 4), ("tp2", 2), ("tp2", 4)]
+    tp2, ep2 = rows["tp2", 4], rows["ep2", 4]
+    assert (tp2["experts_per_rank"], tp2["expert_intermediate_per_rank"]) == (8, 16)
+    assert (ep2["experts_per_rank"], ep2["expert_intermediate_per_rank"]) == (4, 32)
+    assert all("all_reduce" in r["combine"] and r["step_s"] > 0 for r in rows.values())
+    assert out.with_suffix(".json").exists()
