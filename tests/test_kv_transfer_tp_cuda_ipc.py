@@ -28,6 +28,8 @@ from test_kv_transfer import handshake, poll_until_terminal  # noqa: E402
 from test_kv_transfer_cuda_ipc import ADDRESS, a_pool_export, recv_within  # noqa: E402
 from test_kv_transfer_tp import DST, KV_HEADS, LAYERS, SRC, layout, pool, rank_pools  # noqa: E402
 
+from common.engine.tp_link import StepDriver  # noqa: E402
+from common.model.distributed import TPGroup  # noqa: E402
 from common.protocol.wire_auth import SIGNER  # noqa: E402
 from kv_transfer import TransferConfig, TransferState  # noqa: E402
 from kv_transfer.cuda_ipc import CANCELLED, CudaIpcReceiver, CudaIpcSender  # noqa: E402
@@ -42,10 +44,18 @@ from kv_transfer.ipc_handles import (  # noqa: E402
     Start,
     decode_message,
     encode_message,
+    export_pool,
+    forget_export,
     host_id,
 )
 from kv_transfer.ipc_writer import head_copies  # noqa: E402
-from kv_transfer.tp import PrefillRank, check_transport, rank_transfer, shipping_ranks  # noqa: E402
+from kv_transfer.tp import (  # noqa: E402
+    PrefillRank,
+    TPPoolWriter,
+    check_transport,
+    rank_transfer,
+    shipping_ranks,
+)
 
 IPC = TransferConfig(transport="cuda_ipc")
 
@@ -340,3 +350,66 @@ def test_nodes_of_several_ranks_take_zmq_or_cuda_ipc_only():
     check_transport("nixl", 1)
     with pytest.raises(ValueError, match="'nixl' with tp=2"):
         check_transport("nixl", 2)
+
+
+# -- direct writes on the GPU, sender and receiver in one process -------------------------------
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+OTHER_GPU = [0, pytest.param(1, marks=pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"))]  # fmt: skip
+
+
+def ship_directly(senders: list[CudaIpcSender], receiver: CudaIpcReceiver) -> Any:
+    """Every rank ships "r" (all layers in one call); the receiver's transfer once all senders
+    and the receiver are done."""
+    receiver.expect("r", DST)
+    for sender in senders:
+        assert handshake(sender, receiver).direct
+        sender.begin("r", receiver.address, SRC, DST)
+        sender.send_layers("r", range(LAYERS))
+        sender.complete("r", {"rank": senders.index(sender)} if sender is senders[0] else {})
+    sent, done = [], None
+    until = time.monotonic() + 20.0
+    while done is None or len(sent) < len(senders):
+        assert time.monotonic() < until, "never terminal"
+        sent += [t for s in senders for t in s.poll()]
+        done = next(iter(receiver.poll(timeout_s=0.02)), done)
+    assert {t.state for t in sent} == {TransferState.DONE}
+    return done
+
+
+@needs_gpu
+@pytest.mark.parametrize("other", OTHER_GPU)
+def test_gpu_one_prefill_rank_writes_its_heads_into_each_decode_ranks_pool(other, opened):
+    endpoints, _ = opened
+    full = pool(KV_HEADS, seed=6).to(torch.bfloat16)
+    dst = [x.zero_().to(f"cuda:{d}") for x, d in zip(rank_pools(full, 2), (0, other), strict=True)]
+    receiver = receiver_of(dst[0], endpoints)
+    # What `tp_receiver` sets up on a decode node's rank 0 (here with no ranks to command).
+    link = StepDriver(TPGroup.single(), dst[0].device)
+    receiver.set_writer(TPPoolWriter(dst[0], layout(2), link))
+    receiver.share_ranks(
+        [receiver.pool_export, export_pool(dst[1], "rank-1")], [range(0, 1), range(1, 2)]
+    )
+    sender = CudaIpcSender(full.to("cuda:0"), IPC)
+    endpoints.append(sender)
+    done = ship_directly([sender], receiver)
+    assert done.state is TransferState.DONE, done.error
+    for q, want in enumerate(rank_pools(full, 2)):
+        assert torch.equal(dst[q][:, :, DST].cpu(), want[:, :, SRC])
+    forget_export("rank-1")
+
+
+@needs_gpu
+@pytest.mark.parametrize("other", OTHER_GPU)
+def test_gpu_two_prefill_ranks_write_their_heads_into_one_decode_pool(other, opened):
+    endpoints, _ = opened
+    full = pool(KV_HEADS, seed=7).to(torch.bfloat16)
+    dst = torch.zeros_like(full, device=f"cuda:{other}")
+    receiver = receiver_of(dst, endpoints)
+    pools = [p.to(f"cuda:{d}") for p, d in zip(rank_pools(full, 2), (0, other), strict=True)]
+    senders = [CudaIpcSender(pools[r], rank_transfer(IPC, layout(2), r)) for r in (0, 1)]
+    endpoints.extend(senders)
+    done = ship_directly(senders, receiver)
+    assert done.state is TransferState.DONE and done.metadata == {"rank": 0}, done.error
+    assert torch.equal(dst[:, :, DST].cpu(), full[:, :, SRC])
