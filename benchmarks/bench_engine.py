@@ -17,6 +17,17 @@ running request in the pool's dtype) / copy bandwidth; a prefill's FLOP floor ru
 at the FP8 rate (each row names its `matmul_ceiling`). The JSON's "engine" records the
 quantization, KV dtype, weight bytes, KV bytes per token and the pool's capacity. Prints a
 table last; writes <out>.json (and <out>.png).
+
+Mixture-of-experts models (`benchmarks/roofline.py`): a decode step's floor reads every
+non-expert weight and only the experts its tokens touch. After each timed run, the batch's next
+step runs once more, eagerly and outside the timing, with hooks on the routers: its distinct
+experts per layer (`touched_experts`) give `hbm_floor_s`, the floor the ratio is to; the
+uniform-routing expectation gives `hbm_floor_uniform_s`. `--decode-contexts` (`--contexts`)
+sets the decode sequences' context (e.g. 1024 8192 for DeepSeek-V2-Lite's latent cache).
+
+    python benchmarks/bench_engine.py --model benchmarks/configs/qwen3-30b-a3b --parts decode prefill
+    python benchmarks/bench_engine.py --smoke --tiny qwen3-moe    # CPU, a tiny random Qwen3-MoE
+    python benchmarks/bench_engine.py --smoke --tiny deepseek-v2  # skipped without the model class
 """
 
 from __future__ import annotations
@@ -40,9 +51,17 @@ sys.path.insert(0, str(ROOT.parent))
 from benchmarks import hf_peers  # noqa: E402
 from benchmarks.bench_messages import prefill_rows  # noqa: E402
 from benchmarks.decode_loop import LoopDriver, build_node, greedy_params, mixed_params  # noqa: E402
+from benchmarks.engine_floors import decode_floors, experts_info, touched_experts  # noqa: E402
 from benchmarks.engine_report import plot, print_table  # noqa: E402
+from benchmarks.moe_configs import TINY, unservable, write_tiny  # noqa: E402
 from benchmarks.profiles import host_table, kernel_table  # noqa: E402
-from benchmarks.roofline import measure_ceilings, prefill_floors, time_fn, weight_bytes  # noqa: E402
+from benchmarks.roofline import (  # noqa: E402
+    expert_layers,
+    measure_ceilings,
+    prefill_floors,
+    time_fn,
+    weight_bytes,
+)
 from benchmarks.stack import pick_ports  # noqa: E402
 from common import LLM, SamplingParams  # noqa: E402
 from common.engine.config import EngineConfig  # noqa: E402
@@ -79,6 +98,8 @@ def engine_info(worker, args) -> dict:
         "kv_cache_dtype": args.kv_cache_dtype,
         "kv_dtype": str(pool.dtype).removeprefix("torch."),
         "weight_bytes": weight_bytes(worker.model),
+        "experts": experts_info(worker.model),
+        "kv_cache": worker.spec.kv_cache_geometry.describe(),
         "kv_bytes_per_token": worker.spec.kv_bytes_per_token(pool.element_size()),
         "num_kv_blocks": rt.num_kv_blocks,
         "kv_capacity_tokens": rt.num_kv_blocks * rt.block_size,
@@ -107,8 +128,7 @@ def bench_decode_loop(args, ceil: dict | None, worker) -> list[dict]:
     node, drain, prefill_address = build_node(engine, worker, pick_ports()[1])
     try:
         randomize(worker.kv_cache.pool)  # never time attention over zeros
-        kv_token = worker.spec.kv_bytes_per_token(worker.kv_cache.pool.element_size())
-        wbytes = weight_bytes(worker.model)
+        moe = bool(expert_layers(worker.model))
         mixes = {"greedy": greedy_params, "mixed": mixed_params}
         runs = [(mix, mixes[mix], True) for mix in args.mixes]
         if args.compare_sync and "greedy" in args.mixes:
@@ -125,11 +145,10 @@ def bench_decode_loop(args, ceil: dict | None, worker) -> list[dict]:
                 if kernels:  # a run under torch.profiler, apart from the timed one
                     print(f"decode loop at batch {b} ({mix}), {driver.kernel_profile(b, 20)}")
                 replay = replay_time(worker, b) if overlap and mix == "greedy" else None
+                scheduler = node.scheduler
+                upcoming = [*scheduler.running, *scheduler.ready]  # the next step's rows
+                touched = touched_experts(worker, upcoming) if moe else None
                 driver.drain()
-                floor = None
-                if ceil is not None:
-                    kv = r.mean_running * r.mean_context * kv_token
-                    floor = (wbytes + kv) / ceil["copy_bytes_per_s"]
                 row = {
                     "mix": mix,
                     "overlap": overlap,
@@ -140,9 +159,10 @@ def bench_decode_loop(args, ceil: dict | None, worker) -> list[dict]:
                     "mean_running": r.mean_running,
                     "mean_context": r.mean_context,
                     "admitted": r.admitted,
-                    "hbm_floor_s": floor,
-                    "ratio_to_floor": None if floor is None else r.step_s / floor,
+                    **decode_floors(worker, ceil, r, touched),
                 }
+                floor = row["hbm_floor_s"]
+                row["ratio_to_floor"] = None if floor is None else r.step_s / floor
                 rows.append(row)
                 print("decode loop:", row, flush=True)
                 if r.profile:
@@ -215,7 +235,7 @@ def bench_throughput(llm: LLM, reqs) -> dict:
             "tokens_per_s": tokens / elapsed}  # fmt: skip
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -230,9 +250,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--parts", nargs="+", default=["decode", "prefill", "throughput"],
                     choices=["decode", "prefill", "throughput"])  # fmt: skip
     ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 32, 128])
-    ap.add_argument(
-        "--decode-contexts", type=int, nargs="+", default=[1024], help="decode prompt tokens"
-    )
+    ap.add_argument("--decode-contexts", "--contexts", type=int, nargs="+",
+                    help="context tokens of the decode batch's sequences (default 1024; "
+                    "--smoke: 48)")  # fmt: skip
     ap.add_argument("--min-new", type=int, default=64, help="decode requests' max_tokens range")
     ap.add_argument("--max-new", type=int, default=192)
     ap.add_argument("--steps", type=int, default=200, help="measured decode steps per run")
@@ -257,23 +277,38 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true",
                     help="CPU, tiny sizes; the embedded model unless --model names another "
                     "config (a small one: dummy weights)")  # fmt: skip
+    ap.add_argument("--tiny", choices=sorted(TINY),
+                    help="a tiny random config of that family (written next to --out, dummy "
+                    "weights) instead of --model")  # fmt: skip
     ap.add_argument("--out", default="benchmarks/results/engine")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.tiny:
+        out = Path(args.out)
+        args.model = str(write_tiny(args.tiny, out.parent / f"{out.name}_{args.tiny}"))
+        args.load_format = "dummy"
     if args.smoke:
         if args.model == str(CONFIG):
             args.model, args.load_format = "", "auto"
         args.dtype, args.device = "float32", "cpu"
-        args.decode_batches, args.decode_contexts, args.min_new, args.max_new = [1, 4], [48], 3, 6
+        args.decode_batches, args.min_new, args.max_new = [1, 4], 3, 6
+        args.decode_contexts = args.decode_contexts or [48]
         args.steps, args.warmup, args.prefill_lengths, args.repeats = 6, 2, [16, 64], 2
         args.requests, args.prompt_range, args.output_range = 6, [8, 24], [3, 6]
         args.max_num_seqs, args.max_num_batched_tokens, args.peers = 8, 256, []
+    args.decode_contexts = args.decode_contexts or [1024]
     return args
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> dict:
+    """Runs the parts; returns what it wrote to <out>.json (`{"skipped": why}` for a --tiny
+    family this checkout cannot build)."""
+    args = parse_args(argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    reason = unservable(Path(args.model)) if args.tiny else None
+    if reason is not None:
+        print(f"--tiny {args.tiny}: skipped, this checkout cannot build it ({reason})")
+        return {"skipped": reason}
     ceil = measure_ceilings()
     result: dict = {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -311,6 +346,7 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
     print_table(result)
+    return result
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ the raw peer-to-peer copy between the two GPUs and a raw ZMQ loopback stream, in
         [--transports cuda_ipc zmq] [--same-gpu] [--kv-cache-dtype fp8] \\
         [--out benchmarks/results/transfer]
     python benchmarks/bench_transfer.py --cpu-smoke     # no GPU: zmq between two CPU pools
+    python benchmarks/bench_transfer.py --tp 2x1 1x2    # between tensor-parallel sizes
     python benchmarks/bench_transfer.py --replot benchmarks/results/transfer/transfer.json
 
 Medians of --repeats, after one untimed warm-up per size; GB/s = payload bytes / time, 1e9 B.
@@ -27,6 +28,10 @@ Medians of --repeats, after one untimed warm-up per size; GB/s = payload bytes /
   raw zmq    PUSH/PULL over tcp://127.0.0.1 into the same kind of process, from pinned host
              memory, one zero-copy frame per layer (the transport's framing); "send": zmq
              released the last frame, "recv": the receiver has the last byte.
+  --tp PxD  P prefill ranks (a process each, its share of the KV heads, its GPU) into D decode
+             ranks (one process, a pool per rank), each rank as a node's: every shipping rank
+             writes its heads into the decode ranks holding them; receiver DONE once all did.
+             Only p2p and these rows are measured (benchmarks/transfer_tp.py).
 Pools: [layers, 2, blocks + 1, block_size, kv_heads, head_dim] in bf16 (float8_e4m3fn with
 `--kv-cache-dtype fp8`: half the bytes per token), Qwen2.5-7B-shaped by default (57,344 bytes per
 token in bf16); a payload is round(MiB / block bytes) blocks scattered at random over both
@@ -566,6 +571,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--transports", nargs="+", choices=["cuda_ipc", "zmq", "nixl"], default=None)
     ap.add_argument("--same-gpu", action="store_true", help="receiver pool on cuda:0 too")
+    ap.add_argument("--tp", type=_tp_pair, nargs="+", metavar="PxD",
+                    help="tensor-parallel pairs instead, prefill x decode ranks: 2x1 1x2")  # fmt: skip
     ap.add_argument("--cpu-smoke", action="store_true", help="CPU pools, no p2p; for no-GPU hosts")
     ap.add_argument("--layers", type=int, default=Layout.layers)
     ap.add_argument("--kv-heads", type=int, default=Layout.kv_heads)
@@ -589,10 +596,24 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def _tp_pair(text: str) -> tuple[int, int]:
+    """ "2x1" -> (2, 1): prefill ranks x decode ranks."""
+    p, _, d = text.lower().partition("x")
+    if not (p.isdigit() and d.isdigit() and int(p) >= 1 and int(d) >= 1):
+        raise argparse.ArgumentTypeError(f"a TP pair is PxD, e.g. 2x1, not {text!r}")
+    return int(p), int(d)
+
+
 def main() -> None:
     args = parse_args()
     if args.replot:
         result = json.loads(args.replot.read_text())
+        if "tp_runs" in result:
+            from benchmarks import transfer_tp
+
+            transfer_tp.plot(result, args.replot.with_suffix(".png"))
+            transfer_tp.print_table(result)
+            return
         plot(result, args.replot.with_suffix(".png"))
         print_table(result)
         return
@@ -634,12 +655,18 @@ def main() -> None:
         )
         result["runs"]["p2p"] = measure_p2p(sizes, src, dst, args.repeats)
         torch.cuda.empty_cache()  # its buffers are gone: give the transports the memory
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.tp:
+        from benchmarks import transfer_tp  # it imports this module's helpers
+
+        result.update(transfer_tp.measure(args, sizes, layout, 0 if args.cpu_smoke else gpus))
+        publish(result, args.out / "transfer_tp.json", transfer_tp.plot, transfer_tp.print_table)
+        return
     result["runs"]["raw_zmq"] = measure_raw_zmq(sizes, layout, args.repeats, src.type == "cuda")
     shape = layout.pool_shape(max(s.blocks for s in sizes))
     src_pool = torch.randn(shape, dtype=torch.bfloat16, device=src).to(layout.torch_dtype)
     if "cuda_ipc" in args.transports and src.type == "cuda":
         result["runs"].update(measure_data_path(sizes, src_pool, dst, args))
-    args.out.mkdir(parents=True, exist_ok=True)
     for kind in args.transports:
         profile = cProfile.Profile() if args.profile else None
         if profile is not None:

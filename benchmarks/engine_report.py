@@ -24,6 +24,19 @@ def _verdict(ok: bool | None) -> str:
     return "" if ok is None else ("PASS" if ok else "MISS")
 
 
+def _experts(row: dict, experts: dict | None) -> str:
+    """An MoE row's touched experts per layer (measured; uniform routing's) and the floor
+    uniform routing would give."""
+    touched = row.get("touched_experts")
+    if not touched or not experts:
+        return ""
+    mean = sum(touched) / len(touched)
+    uniform = f"uniform {row['touched_experts_uniform']:.1f}"
+    if row.get("hbm_floor_uniform_s") is not None:
+        uniform += f", floor {row['hbm_floor_uniform_s'] * 1e3:.2f} ms"
+    return f"  experts {mean:.1f}/{experts['num_experts']} per layer ({uniform})"
+
+
 def print_table(result: dict) -> None:
     ceil = result.get("ceilings")
     print(f"\n{result['model']} on {result['gpu']}, torch {result['torch']}")
@@ -41,7 +54,15 @@ def print_table(result: dict) -> None:
         print(
             f"weights {weights} ({engine['weight_bytes'] / 1e9:.2f} GB read per step), KV "
             f"{engine['kv_dtype']} ({engine['kv_bytes_per_token']} B/token, "
-            f"{engine['kv_capacity_tokens']} tokens in {engine['num_kv_blocks']} blocks)"
+            f"{engine['kv_capacity_tokens']} tokens in {engine['num_kv_blocks']} blocks"
+            + (f", {engine['kv_cache']})" if "kv_cache" in engine else ")")
+        )
+    experts = engine.get("experts")
+    if experts:
+        print(
+            f"experts: {experts['num_experts']} routed, top {experts['top_k']}, in "
+            f"{experts['moe_layers']} layers ({experts['expert_bytes'] / 1e6:.1f} MB each); "
+            f"non-expert weights {experts['non_expert_bytes'] / 1e9:.2f} GB read per step"
         )
     rows = result.get("decode") or []
     if rows:
@@ -58,7 +79,7 @@ def print_table(result: dict) -> None:
         print(
             f"  {r['mix']:<6} {loop} {r['batch']:>6} {r['mean_running']:>8.1f} "
             f"{r['mean_context']:>8.0f} {_ms(r['step_s'])} {_ms(r['hbm_floor_s'])}  "
-            f"{_ms(r['graph_replay_s'])}  {check}"
+            f"{_ms(r['graph_replay_s'])}  {check}{_experts(r, experts)}"
         )
     for r in result.get("prefill") or []:
         line = f"prefill {r['tokens']:>5} tok {_ms(r['time_s'])} ms"

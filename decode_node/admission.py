@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from common.engine.config import EngineConfig
@@ -28,7 +29,7 @@ from common.protocol.messages import DecodeRequest, RequestError, Reservation
 from decode_node.request import Phase, Request
 from decode_node.reservations import ReservationQueue
 from kv_transfer import Transfer, TransferConfig, TransferState, create_receiver
-from kv_transfer.tp import TPPoolWriter, check_transport, decode_rank_handler
+from kv_transfer.tp import check_transport, decode_rank_handler, tp_receiver
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class PDAdmission:
     def rank_role(config: NodeConfig, engine_config: EngineConfig) -> RankRole | None:
         """What the node's tensor-parallel ranks run; ValueError for a transport they lack."""
         check_transport(config.transport, engine_config.tp)
-        return RankRole(decode_rank_handler)
+        return RankRole(partial(decode_rank_handler, config.transport))
 
     def __init__(
         self,
@@ -138,8 +139,7 @@ class PDAdmission:
         )
         self.receiver = create_receiver(transfer, pool, config.kv_address)
         if worker.runner.link is not None:  # rank 0 hands the ranks their heads
-            layout = worker.tp.layout(worker.spec)
-            self.receiver.set_writer(TPPoolWriter(pool, layout, worker.runner.link))
+            tp_receiver(self.receiver, worker, config.transport)
         self.info = {"kv_address": self.receiver.address}
         self.queue = ReservationQueue(self.allocator)
         self.num_reserved = 0

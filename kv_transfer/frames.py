@@ -61,6 +61,9 @@ class AbortHeader:
     # cancel), and the receiving node must say so, since a tensor-parallel rank's own sender
     # has nobody else to tell.
     answered: bool = False
+    # Prefill ranks that each send (as CompleteHeader's): a cuda_ipc receiver whose blocks
+    # several ranks may write frees them once each of them stopped.
+    senders: int = 1
 
 
 Header = LayerHeader | CompleteHeader | AbortHeader

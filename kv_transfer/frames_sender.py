@@ -123,7 +123,8 @@ class FrameSender:
         self._queue = kept
         request_id = entry.transfer.request_id
         self._ledger.table.finish(request_id, TransferState.FAILED, reason)
-        self.send(entry.dest_address, [encode_header(AbortHeader(request_id, reason, answered))])
+        notice = AbortHeader(request_id, reason, answered, self._senders)
+        self.send(entry.dest_address, [encode_header(notice)])
 
     def send(self, address: str, frames: list[Any]) -> bool:
         sock = self._socket_of(address)

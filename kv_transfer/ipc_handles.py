@@ -9,9 +9,13 @@ kernels can store into it (open_pool). Device indices differ between processes
 (CUDA_VISIBLE_DEVICES), so the export names the GPU by UUID; it names the host (hostname + boot
 id) too, since a handle means nothing on another machine or after a reboot.
 
+A tensor-parallel decode node answers with every rank's export (`RankExports`, each pool with
+the model's KV heads it holds); a sender opens those holding its heads.
+
 Messages (msgpack `{"kind": ..., **fields}`, checked like kv_transfer.frames' headers):
   sender -> receiver  "hello"                 first contact (the sender's first begin())
-  receiver -> sender  "export" | "no_export"  the pool handle, or why there is none
+  receiver -> sender  "export" | "rank_exports" | "no_export"
+                                              the pool handle(s), or why there is none
   sender -> receiver  "start"                 a transfer begins, in which KV format; before any
                                               of its bytes
   receiver -> sender  "cancel"                stop writing that request, answer with "abort"
@@ -33,6 +37,7 @@ from typing import Any
 import msgpack
 import torch
 
+from common.protocol.messages import MessageError, from_fields
 from common.protocol.wire_auth import SIGNER
 from kv_transfer.frames import KINDS, decode_header
 
@@ -73,11 +78,44 @@ class NoExport:
 
 
 @dataclass(frozen=True)
+class RankExports:
+    """A tensor-parallel decode node's answer to "hello": every rank's pool, in rank order."""
+
+    session: str  # rank 0's receiver's (what a direct "start" names)
+    host_id: str
+    pools: list[Any]  # PoolExport field maps (decoded into PoolExports)
+    heads: list[list[int]]  # [start, stop) of the model's KV heads each pool holds
+
+    def __post_init__(self) -> None:
+        if len(self.pools) != len(self.heads) or not self.pools:
+            raise ValueError(f"{len(self.pools)} pools for {len(self.heads)} head ranges")
+        if any(len(h) != 2 or not 0 <= h[0] < h[1] for h in self.heads):
+            raise ValueError(f"bad head ranges {self.heads}")
+        pools = [p if isinstance(p, PoolExport) else _pool_export(p) for p in self.pools]
+        object.__setattr__(self, "pools", pools)
+
+    def targets(self) -> list[tuple[PoolExport, range]]:
+        return [(p, range(*h)) for p, h in zip(self.pools, self.heads, strict=True)]
+
+
+def _pool_export(fields: Any) -> PoolExport:
+    if not isinstance(fields, dict):
+        raise ValueError(f"a rank's pool export is a {type(fields).__name__}, not a map")
+    try:
+        return from_fields(PoolExport, dict(fields))
+    except MessageError as exc:
+        raise ValueError(str(exc)) from None
+
+
+@dataclass(frozen=True)
 class Start:
     request_id: str
     session: str  # of the export the sender writes through ("" when it sends frames)
     direct: bool  # True: the sender writes the pool itself; False: layers come as frames
     kv_format: dict[str, Any] | None = None  # the sender's KVFormat (the receiver checks it)
+    # Direct: [start, stop) of the model's KV heads it writes (None: all); frames carry theirs.
+    heads: list[int] | None = None
+    senders: int = 1  # prefill ranks that each write a share of the heads (tensor parallel)
 
 
 @dataclass(frozen=True)
@@ -95,6 +133,7 @@ IPC_KINDS: dict[str, type] = {
     "hello": Hello,
     "export": PoolExport,
     "no_export": NoExport,
+    "rank_exports": RankExports,
     "start": Start,
     "cancel": Cancel,
     "reset": Reset,
@@ -188,6 +227,14 @@ def export_pool(pool: torch.Tensor, session: str) -> PoolExport:
     )
 
 
+def export_or_refusal(pool: torch.Tensor, session: str) -> PoolExport | NoExport:
+    """A receiver's answer to "hello" for `pool`: its export, or why a sender cannot write it."""
+    try:
+        return export_pool(pool, session)
+    except IpcUnavailable as exc:
+        return NoExport(session, host_id(), str(exc))
+
+
 def forget_export(session: str) -> None:
     _IN_PROCESS.pop(session, None)
 
@@ -213,8 +260,9 @@ def open_pool(export: PoolExport, local_pool: torch.Tensor) -> OpenedPool:
         raise IpcUnavailable(f"the receiver runs on another host ({export.host_id})")
     if local_pool.device.type != "cuda":
         raise IpcUnavailable(f"the local pool is on {local_pool.device.type}, not a GPU")
-    local_layout = [str(local_pool.dtype), local_pool.shape[0], *local_pool.shape[3:]]
-    remote_layout = [export.dtype, *export.shape[:1], *export.shape[3:]]
+    # Head counts may differ: a tensor-parallel pool holds a share (the caller maps heads).
+    local_layout = [str(local_pool.dtype), *_per_head(list(local_pool.shape))]
+    remote_layout = [export.dtype, *_per_head(export.shape)]
     if len(export.shape) != local_pool.dim() or remote_layout != local_layout:
         raise IpcUnavailable(
             f"pool layouts differ: receiver {export.dtype} {export.shape}, "
@@ -246,6 +294,12 @@ def open_pool(export: PoolExport, local_pool: torch.Tensor) -> OpenedPool:
     except Exception as exc:  # torch surfaces CUDA IPC errors as RuntimeError, others as TypeError
         raise IpcUnavailable(f"cannot open the receiver's IPC handle: {exc}") from None
     return OpenedPool(_view(storage, export, local_pool, here), holder)
+
+
+def _per_head(shape: list[int]) -> list[int]:
+    """What two pools must share for KV heads to be copied between them: layers, K and V,
+    block size, head dim."""
+    return [shape[0], shape[1], *shape[3:4], *shape[5:]]
 
 
 def _view(

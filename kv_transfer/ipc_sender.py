@@ -2,7 +2,10 @@
 
 Per receiver address, one DEALER socket and one handshake, whose outcome (`Route`) is kept for
 the sender's lifetime (until the receiver sends "reset"): direct CUDA IPC writes through a
-`DirectWriter`, or zmq-style frames staged through pinned host memory (`HostStager`).
+`DirectWriter`, or zmq-style frames staged through pinned host memory (`HostStager`). A
+tensor-parallel prefill rank's sender writes the KV heads its pool holds (`TransferConfig`'s
+head_start) into every pool of the receiver's node that holds them, and its notices say how
+many ranks send (`senders`).
 
 Non-blocking contract: begin() blocks only for a first handshake (up to HANDSHAKE_TIMEOUT_S;
 connect() does it ahead of time); in direct mode send_layer() queues GPU work and returns without
@@ -35,6 +38,7 @@ from kv_transfer.ipc_handles import (
     IpcUnavailable,
     NoExport,
     PoolExport,
+    RankExports,
     Reset,
     Start,
     decode_message,
@@ -48,6 +52,7 @@ from kv_transfer.ledger import DEADLINE_EXCEEDED, INJECTED_FAILURE, Outgoing, Se
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
+FLUSH_POLL_S = 1e-4
 CANCELLED_BY_RECEIVER = "cancelled by the receiver"
 REMEMBERED_CANCELS = 10_000  # cancels of requests not begun yet, kept so begin() can refuse them
 
@@ -91,6 +96,9 @@ class CudaIpcSender(KVSender):
         self._frames = FrameSender(pool, self._ledger, config, self._socket)
         self._cancelled: OrderedDict[tuple[str, str], str] = OrderedDict()  # (address, id) -> why
         self._format = None if config.kv_format is None else config.kv_format.to_dict()
+        # The model's KV heads this pool holds, and the ranks of its node that each send theirs.
+        self._heads = range(config.head_start, config.head_start + pool.shape[4])
+        self._senders = config.senders
         self._closed = False
 
     def connect(self, dest_address: str) -> Route | None:
@@ -137,7 +145,9 @@ class CudaIpcSender(KVSender):
             pairs = writer.block_pairs(entry.transfer.block_ids, entry.dst_block_ids)
             self._jobs[request_id] = _DirectJob(dest_address, writer, pairs)
         direct = writer is not None
-        start = Start(request_id, dest.session if direct else "", direct, self._format)
+        heads = [self._heads.start, self._heads.stop] if direct else None
+        session = dest.session if direct else ""
+        start = Start(request_id, session, direct, self._format, heads, self._senders)
         if not self._send(dest_address, [encode_message(start)]):
             self._fail(entry, f"send queue to {dest_address} is full")
         return entry.transfer
@@ -185,7 +195,7 @@ class CudaIpcSender(KVSender):
         self._ledger.check_complete(entry)
         job = self._jobs.get(request_id)
         if job is not None:
-            job.completion = completion_frames(request_id, metadata, payload)
+            job.completion = completion_frames(request_id, metadata, payload, self._senders)
         else:
             self._frames.queue_complete(entry, metadata, payload)
         self._progress()
@@ -201,8 +211,17 @@ class CudaIpcSender(KVSender):
             return  # begun: abort() ends it
         dest = self._connected(dest_address)  # no handshake: nothing will be written
         if dest is not None:
-            notice = AbortHeader(request_id, reason, answered=True)
+            notice = AbortHeader(request_id, reason, answered=True, senders=self._senders)
             self._send(dest_address, [encode_header(notice)])
+
+    def flush(self) -> None:
+        """Wait for every queued copy (direct writes and staging), then send what is ready."""
+        for job in self._jobs.values():
+            # query(), not synchronize(): a subclass's writes (nixl) progress only when asked.
+            while job.last_write is not None and not job.last_write.query():
+                time.sleep(FLUSH_POLL_S)
+        self._frames.synchronize()
+        self._progress()
 
     def poll(self) -> list[Transfer]:
         self._notices()
@@ -271,19 +290,29 @@ class CudaIpcSender(KVSender):
 
     # What a subclass with another direct path (nixl) replaces: the handshake replies it
     # understands, how it opens the path a reply offers, and how it names that path in logs.
-    EXPORTS: tuple[type, ...] = (PoolExport, NoExport)
+    EXPORTS: tuple[type, ...] = (PoolExport, RankExports, NoExport)
     TRANSPORT, DIRECT_PATH = "cuda_ipc", "CUDA IPC"
 
     def _open(self, reply: Any) -> tuple[DirectWriter | None, str]:
         """The direct path a handshake reply offers, or None and why there is none."""
         if isinstance(reply, NoExport):
             return None, reply.reason
+        if self._side is None:
+            return None, f"the local pool is on {self._pool.device.type}, not a GPU"
+        if isinstance(reply, RankExports):
+            targets = reply.targets()
+        else:  # a decode node of one rank: its pool holds every KV head of the model
+            targets = [(reply, range(reply.shape[4] if len(reply.shape) == 6 else 0))]
+        mine = self._heads
         try:
-            remote = open_pool(reply, self._pool)
+            remotes = [  # the pools that hold some of this pool's heads
+                (open_pool(export, self._pool), heads)
+                for export, heads in targets
+                if heads.start < mine.stop and mine.start < heads.stop
+            ]
+            return DirectWriter(self._pool, mine, remotes, self._side), ""
         except IpcUnavailable as exc:
             return None, str(exc)
-        assert self._side is not None  # open_pool refuses a pool that is not on a GPU
-        return DirectWriter(self._pool, remote, self._side), ""
 
     def _handshake(self, dest: _Destination) -> None:
         reply = None

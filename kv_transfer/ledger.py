@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -197,6 +198,10 @@ class ReceiverLedger:
     prefill node of one rank; one per sending rank, each with its head range, from a
     tensor-parallel one). The transfer is DONE once `senders` completion notices arrived and
     every layer is written: a decode node never admits a request on a half-written block.
+
+    Every failure goes through `fail`, which a transport whose senders write the pool
+    themselves vetoes with `hold` while one of them may still be writing (the transfer stays
+    active, and the transport fails it with `fail_now` once they stopped).
     """
 
     def __init__(
@@ -212,6 +217,8 @@ class ReceiverLedger:
         self.late_frames = 0
         self.malformed_frames = 0  # frames that name no request and cannot be decoded
         self._agreed: dict[str, Any] | None = None  # the last announced format found equal
+        # (request id, error) -> True: the transport holds the transfer (see the docstring).
+        self.hold: Callable[[str, str], bool] | None = None
 
     def expect(self, request_id: str, block_ids: list[int]) -> Transfer:
         if not block_ids:
@@ -326,17 +333,25 @@ class ReceiverLedger:
         request_id: str,
         metadata: dict[str, Any],
         payload: memoryview | bytes | None = None,
+        heads: range | None = None,
+        senders: int = 1,
     ) -> None:
-        """Completion of a transfer whose sender wrote every layer into the pool itself (CUDA
-        IPC) and vouches that the writes have finished: no layer frames to check."""
+        """Completion notice of a sender that wrote `heads` (None: all) of every layer into the
+        pool itself (CUDA IPC) and vouches that the writes have finished: no layer frames to
+        check. Then as `complete`."""
         entry = self._known(request_id, "complete")
         if entry is None:
             return
+        heads = range(self.num_heads) if heads is None else heads
+        if not len(heads) or heads.start < 0 or heads.stop > self.num_heads:
+            self.fail(request_id, f"KV heads {heads} outside [0, {self.num_heads})")
+            return
+        if any(arrived.intersection(heads) for arrived in entry.heads.values()):
+            self.fail(request_id, f"KV heads {heads} arrived twice")
+            return
         for layer in range(self.num_layers):
-            self.layer_written(entry, layer)
-        entry.transfer.metadata = metadata
-        entry.transfer.payload = payload
-        self.table.finish(request_id, TransferState.DONE)
+            self.layer_written(entry, layer, heads)
+        self.complete(request_id, metadata, senders, payload)
 
     def abort(self, request_id: str, reason: str, answered: bool = False) -> None:
         """The sender's abort notice; `answered`: its node has answered the router."""
@@ -346,6 +361,13 @@ class ReceiverLedger:
             self.fail(request_id, f"aborted by sender: {reason}")
 
     def fail(self, request_id: str, error: str) -> None:
+        """FAILED(`error`), unless the transport's `hold` takes the ending over."""
+        if self.hold is not None and self.table.get(request_id) is not None:
+            if self.hold(request_id, error):
+                return
+        self.fail_now(request_id, error)
+
+    def fail_now(self, request_id: str, error: str) -> None:
         if self.table.finish(request_id, TransferState.FAILED, error) is not None:
             log.debug("transfer %s failed: %s", request_id, error)
 

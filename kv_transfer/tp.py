@@ -14,14 +14,21 @@ command with the payload), which write the heads theirs hold, before the ledger 
 frame. The transfer is DONE only when every head of every layer arrived from every sender
 (`ReceiverLedger`), so the decode node never runs on a half-written block, whatever P and D.
 
-cuda_ipc between tensor-parallel nodes (each prefill rank writing straight into the decode
-ranks' pools) is not implemented: nodes of more than one rank refuse it at start.
+cuda_ipc (zmq's frames where IPC cannot work, through the same writer): every decode rank
+exports its pool, and rank 0 collects the exports once at start (a collective: `tp_receiver`
+and `decode_rank_handler`) and answers each sender's "hello" with all of them. Each shipping
+prefill rank then writes its heads straight into the pool of every decode rank holding them
+(`kv_transfer.ipc_writer`) on its own side stream, and sends its own "complete" once its copies
+finished; rank 0 counts heads as above. A rank > 0 waits for its copies after each "complete"
+(`KVSender.flush`), before rank 0's next step may reuse the blocks. Nodes of several ranks
+refuse other transports (nixl) at start.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +36,8 @@ import torch
 
 from common.engine.tp_link import HAS_LAYER_HOOK, StepDriver
 from common.model.parallel import TPLayout
-from kv_transfer.base import KVSender, Transfer, TransferConfig
+from kv_transfer.base import KVReceiver, KVSender, Transfer, TransferConfig
+from kv_transfer.ipc_handles import export_or_refusal, forget_export
 from kv_transfer.pool_io import PoolWriter, raw, write_heads
 
 if TYPE_CHECKING:
@@ -52,10 +60,14 @@ def rank_transfer(config: TransferConfig, layout: TPLayout, rank: int) -> Transf
     return dataclasses.replace(config, head_start=head_start, senders=len(ranks))
 
 
+TP_TRANSPORTS = ("zmq", "cuda_ipc")
+
+
 def check_transport(transport: str, tp: int) -> None:
-    if tp > 1 and transport != "zmq":
+    if tp > 1 and transport not in TP_TRANSPORTS:
         raise ValueError(
-            f"transport {transport!r} with tp={tp}: nodes of several ranks ship KV over zmq"
+            f"transport {transport!r} with tp={tp}: nodes of several ranks ship KV over "
+            f"{' or '.join(TP_TRANSPORTS)}"
         )
 
 
@@ -66,9 +78,12 @@ class TPSender(KVSender):
         self.local, self.link = local, link
 
     def begin(self, request_id, dest_address, src_block_ids, dst_block_ids) -> Transfer:
+        # Rank 0 first: when it refuses (ValueError) no rank begins, so a request rank 0 never
+        # began has begun nowhere (what `decline` promises the receiver).
+        transfer = self.local.begin(request_id, dest_address, src_block_ids, dst_block_ids)
         self.link.send_command({"op": "begin", "rid": request_id, "dest": dest_address,
                                 "src": list(src_block_ids), "dst": list(dst_block_ids)})  # fmt: skip
-        return self.local.begin(request_id, dest_address, src_block_ids, dst_block_ids)
+        return transfer
 
     def send_layer(self, request_id: str, layer: int) -> None:
         self.local.send_layer(request_id, layer)  # the ranks' hooks send theirs
@@ -92,7 +107,11 @@ class TPSender(KVSender):
         self.local.abort(request_id, reason)
 
     def decline(self, request_id: str, dest_address: str, reason: str) -> None:
-        self.local.decline(request_id, dest_address, reason)  # zmq: a no-op (check_transport)
+        # cuda_ipc: the receiver frees the blocks once each sending rank promised (zmq: no-op).
+        self.link.send_command(
+            {"op": "decline", "rid": request_id, "dest": dest_address, "reason": reason}
+        )
+        self.local.decline(request_id, dest_address, reason)
 
     def poll(self) -> list[Transfer]:
         return self.local.poll()
@@ -148,6 +167,8 @@ class PrefillRank:
             elif op == "abort":
                 self._forget(rid)
                 self.sender.abort(rid, command["reason"])
+            elif op == "decline":
+                self.sender.decline(rid, command["dest"], command["reason"])
         except ValueError:  # this rank's transfer failed already: the receiver was told
             log.exception("KV transfer command %s for %s", op, rid)
         self.sender.poll()
@@ -174,10 +195,12 @@ class PrefillRank:
 
 
 class DecodeRank:
-    """A decode rank > 0: writes the heads its pool holds of every frame rank 0 hands over."""
+    """A decode rank > 0: writes the heads its pool holds of every frame rank 0 hands over.
+    (cuda_ipc senders write its pool directly: through the export it gave rank 0.)"""
 
-    def __init__(self, pool: torch.Tensor, heads: range) -> None:
+    def __init__(self, pool: torch.Tensor, heads: range, session: str | None = None) -> None:
         self.pool, self.heads = pool, heads
+        self.session = session  # of its pool export (cuda_ipc)
 
     def command(self, command: dict[str, Any], payload: torch.Tensor | None) -> None:
         if command["op"] == "kv" and payload is not None:
@@ -188,7 +211,8 @@ class DecodeRank:
         return None
 
     def close(self) -> None:
-        pass
+        if self.session is not None:
+            forget_export(self.session)
 
 
 def prefill_rank_handler(transfer: TransferConfig, worker: Worker) -> PrefillRank:
@@ -206,6 +230,24 @@ def prefill_rank_handler(transfer: TransferConfig, worker: Worker) -> PrefillRan
     return PrefillRank(sender, pool.shape[0])
 
 
-def decode_rank_handler(worker: Worker) -> DecodeRank:
-    """The handler of a decode node's rank > 0 (`RankRole.make_handler`)."""
-    return DecodeRank(worker.kv_cache.pool, worker.tp.layout(worker.spec).kv_heads(worker.tp.rank))
+def decode_rank_handler(transport: str, worker: Worker) -> DecodeRank:
+    """The handler of a decode node's rank > 0 (`RankRole.make_handler`, bound to the node's
+    transport with `functools.partial`). cuda_ipc: hands rank 0 its pool export first."""
+    pool, session = worker.kv_cache.pool, None
+    if transport == "cuda_ipc":
+        session = secrets.token_hex(8)
+        worker.tp.all_gather_object(export_or_refusal(pool, session))  # with tp_receiver's
+    return DecodeRank(pool, worker.tp.layout(worker.spec).kv_heads(worker.tp.rank), session)
+
+
+def tp_receiver(receiver: KVReceiver, worker: Worker, transport: str) -> None:
+    """Rank 0 of a decode node of several ranks, before any expect(): `receiver` writes every
+    frame's heads into the ranks' pools (`TPPoolWriter`); cuda_ipc: it also answers senders
+    with every rank's pool export, collected from the ranks (their `decode_rank_handler`)."""
+    assert worker.runner.link is not None  # rank 0 of several
+    layout, pool = worker.tp.layout(worker.spec), worker.kv_cache.pool
+    receiver.set_writer(TPPoolWriter(pool, layout, worker.runner.link))  # type: ignore[attr-defined]
+    if transport == "cuda_ipc":
+        exports = worker.tp.all_gather_object(receiver.pool_export)  # type: ignore[attr-defined]
+        heads = [layout.kv_heads(r) for r in range(layout.size)]
+        receiver.share_ranks(exports, heads)  # type: ignore[attr-defined]

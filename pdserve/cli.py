@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from common.engine.config import EngineConfig
 from pdserve.flags import build_parser
 
 USAGE_ERROR = 2
@@ -33,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         source = resolve_model(configs.launch.model, dtype=dtype)
-        check_tp(source, [engine.tp for engine in configs.engines.values()])
+        check_parallel(source, list(configs.engines.values()))
     except ValueError as exc:  # ModelNotFound and every other "this is not a model" case
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
@@ -57,17 +58,19 @@ def plan_command(args) -> int:
     return USAGE_ERROR  # not reached: error() exits
 
 
-def check_tp(source, sizes: list[int]) -> None:
+def check_parallel(source, engines: list[EngineConfig]) -> None:
     """ValueError when the model cannot be split into a pool's tensor-parallel ranks (heads,
-    KV heads and MLP must divide), before any process starts."""
-    if max(sizes) == 1:
+    KV heads and MLP must divide) or its experts over them, before any process starts."""
+    if all(e.tp == 1 and not e.enable_expert_parallel for e in engines):
         return
-    from common.model.parallel import TPLayout
+    from common.model.parallel import TPLayout, check_expert_parallel
     from common.model.source import read_spec
 
     spec = read_spec(source)
-    for size in set(sizes):
-        TPLayout.of(spec, size)
+    for engine in engines:
+        TPLayout.of(spec, engine.tp)
+        if engine.enable_expert_parallel:
+            check_expert_parallel(spec, engine.tp)
 
 
 def entry() -> None:

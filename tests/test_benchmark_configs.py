@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from common.model.loader import build_model
+from common.model.registry import MODELS
 from common.model.source import read_spec, resolve_model
 from tests.pd_stack import ROOT
 
@@ -20,6 +21,10 @@ PUBLISHED_BILLIONS = {  # the size on each model card
     "qwen2.5-7b-instruct": 7.61,
     "qwen2.5-32b-instruct": 32.8,
     "qwen3-8b": 8.19,
+    "qwen3-30b-a3b": 30.5,
+    "mixtral-8x7b": 46.7,
+    "deepseek-v2-lite": 15.7,
+    "moonlight-16b-a3b": 16.0,
 }
 
 
@@ -32,6 +37,9 @@ def test_dummy_model_on_meta_has_the_published_and_hf_parameter_count(name):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     source = resolve_model(str(CONFIGS / name))
+    (arch,) = json.loads((source.directory / "config.json").read_text())["architectures"]
+    if arch not in MODELS:
+        pytest.skip(f"{arch} has no model class yet")
     model = build_model(
         read_spec(source), source, max_positions=4096, dtype=torch.bfloat16,
         device=torch.device("meta"), load_format="dummy",

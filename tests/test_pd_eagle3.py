@@ -73,7 +73,10 @@ class Served:
             def recording(batch, limits) -> Drafts:
                 out = propose(batch, limits)
                 for item, drafts in zip(batch.items, out.token_ids, strict=True):
-                    self.drafts[item.seq.request_id].append(list(drafts))
+                    # A sequence with no room left gets an empty draft, but only in steps the
+                    # batch speculates at all, which depends on when its neighbour arrived.
+                    if drafts:
+                        self.drafts[item.seq.request_id].append(list(drafts))
                 return out
 
             proposer.propose = recording

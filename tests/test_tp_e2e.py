@@ -5,7 +5,9 @@ heads and 2 KV heads, few tokens; one stack per layout):
 - PD `--prefill-tp 2 --decode-tp 1`: two prefill ranks each ship their KV head (zmq frames
   with their head range) into one decode pool;
 - PD `--prefill-tp 1 --decode-tp 2`: one frame per layer carries both heads; the decode node's
-  rank 0 writes its head and hands the other to its rank.
+  rank 0 writes its head and hands the other to its rank;
+- both PD layouts with `--transport cuda_ipc`: on CPU every sending rank falls back to frames
+  (the GPU's direct writes: tests/test_tp_cuda_ipc_gpu.py).
 
 Each gives the text of the single-process engine at TP 1 (which colocated TP 1 equals,
 tests/test_pd_faults.py), frees every block, and a rank or node that dies leaves no process.
@@ -32,6 +34,8 @@ LAYOUTS = {
     "colocated_tp2": ("--colocated", "--tp", "2"),
     "P_tp2-D_tp1": ("--prefill-tp", "2", "--decode-tp", "1"),
     "P_tp1-D_tp2": ("--prefill-tp", "1", "--decode-tp", "2"),
+    "P_tp2-D_tp1-cuda_ipc": ("--prefill-tp", "2", "--decode-tp", "1", "--transport", "cuda_ipc"),
+    "P_tp1-D_tp2-cuda_ipc": ("--prefill-tp", "1", "--decode-tp", "2", "--transport", "cuda_ipc"),
 }
 
 
@@ -80,6 +84,9 @@ def test_greedy_text_equals_tp1_and_every_block_is_freed(stack, expected):
         lambda: all(n["load"]["used_blocks"] == 0 for n in stack.get("/health")[1]["nodes"]),
         "every node's blocks freed",
     )
+    if stack.layout.endswith("cuda_ipc"):  # one warning per sending rank
+        senders = 2 if stack.layout.startswith("P_tp2") else 1
+        assert stack.log_path.read_text().count("goes as frames through host memory") == senders
 
 
 def rank_pids(node_pid: int) -> list[int]:

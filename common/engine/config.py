@@ -205,6 +205,15 @@ class EngineConfig:
             "--prefill-tp, --decode-tp"
         },
     )
+    enable_expert_parallel: bool = field(
+        default=False,
+        metadata={
+            "help": "mixture-of-experts models: each of the --tp ranks holds whole experts "
+            "(1/tp of them) instead of a 1/tp slice of every expert; attention stays tensor "
+            "parallel and the KV is unchanged, so pools with and without it pair; per pool: "
+            "--prefill-enable-expert-parallel, --decode-enable-expert-parallel"
+        },
+    )
     enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs"})
     prefill_graph_max_tokens: int = field(
         default=1024,

@@ -48,7 +48,7 @@ from common.model.attention import create_backend
 from common.model.attention.selection import choose_backend
 from common.model.distributed import TPGroup
 from common.model.loader import build_model
-from common.model.parallel import TPLayout, rank_spec
+from common.model.parallel import TPLayout, check_expert_parallel, rank_spec
 from common.model.quantization.config import resolve_quantization
 from common.model.source import ModelSource, read_spec, resolve_model
 from common.model.spec import ModelSpec
@@ -78,6 +78,7 @@ class RuntimeInfo:
     prefill_graph_bytes: int = 0
     weight_bytes: int = 0
     tp: int = 1
+    expert_parallel: bool = False  # whole experts per rank (the KV is the same either way)
 
 
 def pick_device(name: str, rank: int = 0, tp: int = 1) -> torch.device:
@@ -130,6 +131,8 @@ class Worker:
         )
         self.spec: ModelSpec = read_spec(self.source)
         TPLayout.of(self.spec, config.tp)  # a TP size the model cannot split fails here
+        if config.enable_expert_parallel:
+            check_expert_parallel(self.spec, config.tp)
         method = config.speculative.speculative_method
         if drafts and method in ("draft", "eagle3") and config.tp > 1:
             # Refused before any rank starts (a prefill pool, which never drafts, may be TP).
@@ -148,7 +151,8 @@ class Worker:
         self.tp = TPGroup.single()
         if config.tp > 1:
             address = self.ranks.init_method if self.ranks else init_method
-            self.tp = TPGroup.init(rank, config.tp, address, self.device)
+            ep = config.enable_expert_parallel
+            self.tp = TPGroup.init(rank, config.tp, address, self.device, expert_parallel=ep)
         # This rank's heads, KV heads and MLP slice: what its layers and KV pool hold.
         self.rank_spec = rank_spec(self.spec, self.tp.layout(self.spec))
         max_len = mc.max_model_len or self.spec.max_position_embeddings
@@ -247,6 +251,7 @@ class Worker:
             prefill_graph_bytes=prefill_graph_bytes,
             weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
             tp=self.tp.size,
+            expert_parallel=self.tp.expert_parallel,
         )
         log.info("worker ready (rank %d of %d): %s", self.tp.rank, self.tp.size, self.runtime)
 

@@ -92,6 +92,15 @@ class TPGroup:
             dist.broadcast(x, src=0, group=self.cpu_group if cpu else self.device_group)
         return x
 
+    def all_gather_object(self, obj: object) -> list[object]:
+        """Every rank's `obj` (picklable), in rank order; over the gloo group, once at start
+        (the decode ranks' KV pool exports, `kv_transfer.tp`)."""
+        if self.size == 1:
+            return [obj]
+        out: list[object] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.cpu_group)
+        return out
+
     def min_int(self, value: int) -> int:
         """The smallest of every rank's `value` (ranks size their KV pools alike)."""
         if self.size == 1:

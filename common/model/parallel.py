@@ -99,3 +99,18 @@ def rank_spec(spec: ModelSpec, layout: TPLayout) -> ModelSpec:
         num_kv_heads=layout.kv_heads_per_rank,
         intermediate_size=layout.intermediate_per_rank,
     )
+
+
+def check_expert_parallel(spec: ModelSpec, size: int) -> None:
+    """ValueError unless `spec` has experts that `size` ranks can share out whole
+    (`TPGroup.expert_parallel`). With one rank expert parallelism is tensor parallelism:
+    accepted, so one flag can serve pools of different TP sizes."""
+    if spec.moe is None:
+        raise ValueError(
+            f"enable_expert_parallel needs a mixture-of-experts model; {spec.architecture} is dense"
+        )
+    if spec.moe.num_experts % size:
+        raise ValueError(
+            f"enable_expert_parallel: tp={size} does not divide the {spec.moe.num_experts} "
+            f"experts of {spec.architecture}"
+        )

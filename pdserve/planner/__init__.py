@@ -3,8 +3,10 @@
 The steps, one module each, with typed dataclasses between them:
 1. `profiler` measures the real engine step on one device (prefill time against tokens,
    decode step time against batch and context, KV capacity) into a `Profile`
-   (`profile`), cached in a JSON file keyed by model, dtype, device, TP size and code version.
-2. `cost_model` fits step-time models to the raw points (`CostModel`).
+   (`profile`), cached in a JSON file keyed by model, dtype, device, TP size, expert layout
+   and code version.
+2. `cost_model` fits step-time models to the raw points (`CostModel`; an MoE model's decode
+   step also pays for the experts its batch touches, `ExpertLoad`).
 3. `simulator` (with the node models in `sim_nodes`) replays a workload's arrivals through a
    candidate `Layout` (`layout`) and its `Knobs`, in plain Python, deterministically.
 4. `search` enumerates layouts and knobs and finds each one's goodput (the highest request rate

@@ -3,8 +3,10 @@
 Prefill: piecewise-linear in the step's tokens through the measured whole-prompt steps (each
 already holds its own attention, T*T/2 query-key pairs), plus an attention term for the pairs
 beyond that reference: a chunk of n tokens after p cached ones has n*p + n*n/2 pairs, so later
-chunks of a long prompt cost more than its first. Decode: a + b*batch + c*sum(context).
-A colocated step that mixes prefill chunks and decodes is a prefill step over all its tokens
+chunks of a long prompt cost more than its first. Decode: a + b*batch + c*sum(context), plus
+for a mixture-of-experts model d * the bytes of the experts the step's tokens touch (`ExpertLoad`:
+under uniform routing a batch of 1 reads top_k experts per layer, a large batch all of them, so
+the step time is concave in the batch, not linear). A colocated step that mixes prefill chunks and decodes is a prefill step over all its tokens
 (decodes count one token and `context` pairs each), never cheaper than its decodes alone.
 """
 
@@ -65,14 +67,56 @@ class PrefillFit:
         return max(0.5 * base, base + self.seconds_per_pair * extra)
 
 
+def expected_touched(num_experts: int, top_k: int, tokens: float) -> float:
+    """Distinct experts `tokens` tokens route to, in expectation, when each token picks `top_k`
+    of `num_experts` uniformly: a token misses a given expert with probability 1 - k/E, all of
+    them with (1 - k/E)^tokens, so E * (1 - (1 - k/E)^tokens) are touched."""
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"top_k {top_k} must be in 1..num_experts {num_experts}")
+    if tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+@dataclass(frozen=True)
+class ExpertLoad:
+    """The routed experts of one rank of an MoE model, as a decode step reads them: the rank
+    holds `local_experts` of the `num_experts` (all of them under tensor parallelism, 1/size
+    under expert parallelism), each `bytes_per_expert` summed over the MoE layers (its gate_up
+    and down, this rank's slice). Each expert is touched with the same probability, so the
+    rank reads local_experts / num_experts of the expected touched experts."""
+
+    num_experts: int
+    top_k: int
+    local_experts: int
+    bytes_per_expert: int
+
+    def __post_init__(self) -> None:
+        expected_touched(self.num_experts, self.top_k, 1)  # validates top_k
+        if not 0 < self.local_experts <= self.num_experts or self.bytes_per_expert <= 0:
+            raise ValueError(
+                f"{self.local_experts} local experts of {self.num_experts}, "
+                f"{self.bytes_per_expert} bytes each: not an expert load"
+            )
+
+    def touched_bytes(self, batch: float) -> float:
+        share = self.local_experts / self.num_experts
+        return share * expected_touched(self.num_experts, self.top_k, batch) * self.bytes_per_expert
+
+
 @dataclass(frozen=True)
 class DecodeFit:
     base: float
     per_seq: float
     per_context_token: float
+    per_expert_byte: float = 0.0  # seconds per touched expert byte (MoE models only)
+    experts: ExpertLoad | None = None
 
     def time(self, batch: int, context_sum: float) -> float:
-        return self.base + self.per_seq * batch + self.per_context_token * context_sum
+        t = self.base + self.per_seq * batch + self.per_context_token * context_sum
+        if self.experts is not None:
+            t += self.per_expert_byte * self.experts.touched_bytes(batch)
+        return t
 
     def steps_time(self, batch: int, context_sum: float, steps: int) -> float:
         """`steps` consecutive steps of the same batch, every context one longer each step."""
@@ -126,15 +170,20 @@ def fit_prefill(points: Iterable[_Prefill]) -> PrefillFit:
     return PrefillFit(tuple(xs), tuple(ys), slope)
 
 
-def fit_decode(points: Iterable[_Decode]) -> DecodeFit:
-    """Least squares of seconds = a + b*batch + c*batch*context, coefficients kept >= 0 (a
-    negative one is dropped and the rest refitted)."""
+def fit_decode(points: Iterable[_Decode], experts: ExpertLoad | None = None) -> DecodeFit:
+    """Least squares of seconds = a + b*batch + c*batch*context (+ d*touched expert bytes at
+    batch, with `experts`), coefficients kept >= 0 (a negative one is dropped and the rest
+    refitted)."""
     points = list(points)
     if not points:
         raise ValueError("no decode points to fit")
-    rows = [(1.0, float(p.batch), float(p.batch * p.context)) for p in points]
+    rows = [
+        (1.0, float(p.batch), float(p.batch * p.context))
+        + ((experts.touched_bytes(p.batch),) if experts is not None else ())
+        for p in points
+    ]
     ys = [p.seconds for p in points]
-    active = [0, 1, 2]
+    active = list(range(len(rows[0])))
     while True:
         coef = _least_squares([[r[i] for i in active] for r in rows], ys)
         if coef is not None and all(c >= 0 for c in coef):
@@ -144,14 +193,23 @@ def fit_decode(points: Iterable[_Decode]) -> DecodeFit:
         if not active:
             coef = []
             break
-    full = [0.0, 0.0, 0.0]
+    full = [0.0, 0.0, 0.0, 0.0]
     for i, c in zip(active, coef, strict=True):
         full[i] = c
-    return DecodeFit(*full)
+    return DecodeFit(*full, experts=experts)
 
 
 def _least_squares(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float] | None:
-    """Solve the normal equations (Gaussian elimination); None when they are singular."""
+    """Solve the normal equations (Gaussian elimination) on columns scaled to a largest entry
+    of 1 (touched expert bytes reach 1e11 where the constant column is 1: unscaled, the
+    singularity test would drop it); None when they are singular."""
+    scales = [max(abs(r[i]) for r in rows) or 1.0 for i in range(len(rows[0]))]
+    rows = [[x / s for x, s in zip(r, scales, strict=True)] for r in rows]
+    coef = _solve_normal(rows, ys)
+    return None if coef is None else [c / s for c, s in zip(coef, scales, strict=True)]
+
+
+def _solve_normal(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float] | None:
     n = len(rows[0])
     a = [[sum(r[i] * r[j] for r in rows) for j in range(n)] for i in range(n)]
     b = [sum(r[i] * y for r, y in zip(rows, ys, strict=True)) for i in range(n)]
@@ -169,8 +227,10 @@ def _least_squares(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list
     return [b[i] / a[i][i] for i in range(n)]
 
 
-def fit(prefill: Iterable[_Prefill], decode: Iterable[_Decode]) -> CostModel:
-    return CostModel(fit_prefill(prefill), fit_decode(decode))
+def fit(
+    prefill: Iterable[_Prefill], decode: Iterable[_Decode], experts: ExpertLoad | None = None
+) -> CostModel:
+    return CostModel(fit_prefill(prefill), fit_decode(decode, experts))
 
 
 def max_relative_error(

@@ -1,9 +1,10 @@
 """What the profiler measured, and the JSON cache that makes later plans instant.
 
 Pure Python. A `Profile` holds the raw points and the fits made from them; `ProfileKey` says
-which engine it describes (model, dtype, weight quantization, KV dtype, device, TP size, code
-version): a cache entry whose key differs in any field is never used, so an FP8 profile never
-plans a bf16 deployment, nor a bf16 KV cache's an FP8 one.
+which engine it describes (model, dtype, weight quantization, KV dtype, device, TP size, how
+the experts are laid out, code version): a cache entry whose key differs in any field is never
+used, so an FP8 profile never plans a bf16 deployment, nor a bf16 KV cache's an FP8 one, nor
+an expert-parallel MoE profile a tensor-parallel one.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.planner.cost_model import CostModel, DecodeFit, PrefillFit
+from pdserve.planner.cost_model import CostModel, DecodeFit, ExpertLoad, PrefillFit
 
 ROOT = Path(__file__).resolve().parents[2]
 # Sources whose change can change step times: the engine, its kernels and the node loops.
@@ -31,18 +32,22 @@ class ProfileKey:
     device: str  # e.g. "NVIDIA H200", "cpu:2threads"
     tp: int
     code_version: str
+    # "dense", or an MoE model's routed experts and their layout: "moe128top8-tp" (each rank
+    # a slice of every expert) or "moe128top8-ep" (whole experts per rank)
+    experts: str = "dense"
 
     def as_text(self) -> str:
         return (
             f"{self.model}|{self.dtype}|weights:{self.quantization}|kv:{self.kv_dtype}|"
-            f"{self.device}|tp{self.tp}|{self.code_version}"
+            f"{self.device}|tp{self.tp}|experts:{self.experts}|{self.code_version}"
         )
 
     def describe(self) -> str:
         """The engine the profile measured, for the planner's output."""
+        experts = "" if self.experts == "dense" else f", experts {self.experts}"
         return (
             f"{self.device}, {self.dtype}, weights {self.quantization}, KV {self.kv_dtype}, "
-            f"TP {self.tp}"
+            f"TP {self.tp}{experts}"
         )
 
 
@@ -108,13 +113,16 @@ class Profile:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
         cost = data["cost"]
+        decode = dict(cost["decode"])
+        experts = decode.pop("experts", None)
+        decode["experts"] = None if experts is None else ExpertLoad(**experts)
         return cls(
             key=ProfileKey(**data["key"]),
             prefill=tuple(PrefillPoint(**p) for p in data["prefill"]),
             decode=tuple(DecodePoint(**p) for p in data["decode"]),
             memory=MemoryInfo(**data["memory"]),
             cost=CostModel(
-                prefill=PrefillFit(**_tuples(cost["prefill"])), decode=DecodeFit(**cost["decode"])
+                prefill=PrefillFit(**_tuples(cost["prefill"])), decode=DecodeFit(**decode)
             ),
             created=data.get("created", ""),
         )

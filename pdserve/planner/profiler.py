@@ -8,6 +8,8 @@ sampler, with CUDA graphs where the nodes use them), not a bare forward pass.
   uses (overlapped unless the flags turn it off); the mean of several steady steps.
 - KV: bytes per token from the model shapes and the pool's dtype, the pool the worker sized at
   the configured memory fraction, and the device's total memory.
+- Experts (MoE models): the routed experts this rank holds and their bytes (`ExpertLoad`), so
+  the decode fit gets a term for the experts a batch touches.
 Every prompt has fresh random ids, so no measurement hits the prefix cache by accident.
 """
 
@@ -28,9 +30,11 @@ from common.engine.config import EngineConfig
 from common.engine.core import EngineCore
 from common.engine.scheduler import Scheduler
 from common.engine.worker import Worker
+from common.model.layers.moe import Experts, Router
 from common.model.quantization.config import QuantConfig, resolve_quantization
+from common.model.spec import MoESpec
 from common.protocol.sampling_params import SamplingParams
-from pdserve.planner.cost_model import fit, max_relative_error
+from pdserve.planner.cost_model import ExpertLoad, fit, max_relative_error
 from pdserve.planner.profile import (
     DecodePoint,
     MemoryInfo,
@@ -71,6 +75,25 @@ def quantization_name(scheme: QuantConfig | None) -> str:
     return f"fp8-{scheme.weights}{block}-{scheme.activations}"
 
 
+def experts_name(moe: MoESpec | None, expert_parallel: bool) -> str:
+    """The key's experts field: "dense", or e.g. "moe128top8-tp" / "moe128top8-ep"."""
+    if moe is None:
+        return "dense"
+    return f"moe{moe.num_experts}top{moe.top_k}-{'ep' if expert_parallel else 'tp'}"
+
+
+def expert_load(model: torch.nn.Module) -> ExpertLoad | None:
+    """This rank's routed experts (None: a dense model): every MoE layer holds the same experts,
+    so one expert's bytes are summed over the layers."""
+    layers = [m for m in model.modules() if isinstance(m, Experts)]
+    if not layers:
+        return None
+    router = next(m for m in model.modules() if isinstance(m, Router))
+    local = len(layers[0].expert_range)
+    total = sum(p.numel() * p.element_size() for layer in layers for p in layer.parameters())
+    return ExpertLoad(router.moe.num_experts, router.moe.top_k, local, total // local)
+
+
 def kv_dtype_name(config: EngineConfig, dtype: str) -> str:
     """The KV pool's dtype: the model's for "auto", e4m3 for "fp8"."""
     # Engines from before the FP8 KV cache have no such option: their pool is "auto".
@@ -92,11 +115,14 @@ def profile_key(config: EngineConfig, tp: int = 1) -> ProfileKey:
     device = pick_device(mc.device)
     dtype = str(pick_dtype(mc.dtype, device)).removeprefix("torch.")
     source = resolve_model(mc.model, dtype=dtype)
-    scheme = resolve_quantization(read_spec(source).quantization, mc.quantization, mc.load_format)
+    spec = read_spec(source)
+    scheme = resolve_quantization(spec.quantization, mc.quantization, mc.load_format)
     model = f"{source.directory}|{mc.load_format}|bs{config.cache.block_size}"
+    # Engines from before expert parallelism have no such flag: their experts are sliced.
+    ep = bool(getattr(config, "enable_expert_parallel", False))
     return ProfileKey(
         model, dtype, quantization_name(scheme), kv_dtype_name(config, dtype),
-        device_name(device), tp, code_version(),
+        device_name(device), tp, code_version(), experts_name(spec.moe, ep),
     )  # fmt: skip
 
 
@@ -131,7 +157,7 @@ class Profiler:
     def run(self, key: ProfileKey) -> Profile:
         prefill = self.prefill_points()
         decode = self.decode_points()
-        cost = fit(prefill, decode)
+        cost = fit(prefill, decode, expert_load(self.worker.model))
         self.log(
             f"fit: largest error on the raw points {max_relative_error(cost, prefill, decode):.1%}"
         )

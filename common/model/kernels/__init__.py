@@ -1,9 +1,11 @@
 """Triton kernels for CUDA (Hopper-tuned); each also runs on CPU under `TRITON_INTERPRET=1`.
 
 - `paged_attention`: varlen causal prefill and split-K decode over the paged KV pool.
+- `mla_attention`: the same two for DeepSeek's latent (MLA) cache in absorbed form, latent write.
 - `fused_ops`: RMSNorm (+ residual add), SiLU-and-mul, neox rotary, paged KV write.
 - `fp8_quant`: RMSNorm and SiLU-and-mul emitting FP8 activations, and a plain FP8 quantization.
-- `block_copy`: whole KV blocks from one pool into another, across GPUs too (cuda_ipc).
+- `block_copy`: KV blocks (whole, or a range of KV heads) from one pool into another, across
+  GPUs too (cuda_ipc).
 - `sampling`: the sampler's exponential race and exact top-p threshold, one program per row.
 
 `triton.jit` decides at decoration time whether a kernel is compiled or interpreted, so these

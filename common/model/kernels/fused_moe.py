@@ -1,0 +1,300 @@
+"""The expert computation of a mixture-of-experts layer, given the routing:
+
+    out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)),  e = topk_ids[t, j]
+
+Weights (the MoE layer's contract): `w13` [E, 2I, H] (each expert's gate_proj rows, then its
+up_proj rows), `w2` [E, H, I] (down_proj), in x's dtype. Routing: `topk_weights` [T, k]
+float32 (already normalized / scaled), `topk_ids` [T, k] int32 or int64; an id outside [0, E)
+drops its pair (expert parallelism's non-local experts). Output [T, H] in x's dtype.
+
+Implementations (`experts_forward` dispatches):
+- `fused_moe_triton`: a plan (`moe_align`), GEMM1 (x rows gathered by the plan, times the
+  expert's gate and up tiles, SiLU(gate) * up in the epilogue), GEMM2 (times w2[e], the routing
+  weight in the epilogue), then each token's k rows summed in slot order by one kernel:
+  deterministic, no atomics. 4 launches up to `ONE_PROGRAM_PAIRS` pairs, 6 beyond.
+- `fused_moe_grouped_mm`: the plan with block_m = 1, x rows gathered, `torch._grouped_mm`,
+  SiLU-and-mul, `torch._grouped_mm`, the weighted sum. On CUDA bf16 only (sm90 / sm100 CUTLASS;
+  other dtypes take torch's fallback, which syncs on `offs`); on CPU any float dtype.
+- `moe_reference`: a torch loop over experts in float32; the CPU path and the tests' oracle.
+
+Both GPU paths keep every shape static in T (no host sync), so CUDA graphs capture them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from common.model.kernels import fused_ops
+from common.model.kernels.fused_moe_kernels import (
+    down_kernel,
+    gate_up_kernel,
+    gather_rows_kernel,
+    sum_slots_kernel,
+)
+from common.model.kernels.moe_align import ONE_PROGRAM_PAIRS, MoEPlan, moe_align
+
+__all__ = [
+    "AUTO_IMPL",
+    "IMPLS",
+    "MOE_CONFIGS",
+    "ONE_PROGRAM_PAIRS",
+    "GemmTiles",
+    "MoEConfig",
+    "MoEPlan",
+    "experts_forward",
+    "fused_moe_grouped_mm",
+    "fused_moe_triton",
+    "moe_align",
+    "moe_reference",
+    "pick_config",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmTiles:
+    block_n: int  # GEMM1: columns of gate (and as many of up) per program; GEMM2: of out
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    block_m: int  # rows per program, and the plan's padding unit; >= 16 (tl.dot)
+    gate_up: GemmTiles
+    down: GemmTiles
+    group_m: int = 8  # row blocks walked together, so neighbours share an expert tile in L2
+    fill_sms: bool = True  # halve block_n (to 16) while the programs leave SMs idle
+
+
+# By the mean rows per expert, T * k / E (the key is its largest value): the best of
+# `bench_moe.py --sweep` on one H200 (2026-11-24; Qwen3-30B-A3B, Mixtral-8x7B, DeepSeek-V2-Lite
+# layers, bf16). Decode: 16-row blocks and N tiles narrowed to spread one expert's weights over
+# many SMs; prefill: 128-row blocks, deep K tiles.
+MOE_CONFIGS: tuple[tuple[float, MoEConfig], ...] = (
+    (0.5, MoEConfig(16, GemmTiles(64, 256, 4, 3), GemmTiles(64, 256, 4, 3))),
+    (16, MoEConfig(16, GemmTiles(128, 128, 4, 3), GemmTiles(128, 128, 4, 3))),
+    (64, MoEConfig(64, GemmTiles(128, 64, 8, 4), GemmTiles(128, 64, 8, 4))),
+    (float("inf"), MoEConfig(128, GemmTiles(128, 64, 8, 3), GemmTiles(256, 64, 8, 3))),
+)
+# "auto" on CUDA: triton, but cuBLAS's grouped GEMM once experts are big and full: in that run
+# it beat the best triton tiles only on Mixtral (intermediate 14336) from 512 rows per expert
+# (2731 against 2958 us at 2048 tokens); triton led everywhere else, by x1.5-1.9 at decode sizes.
+AUTO_IMPL: tuple[tuple[float, str], ...] = ((512, "triton"), (float("inf"), "grouped_mm"))
+GROUPED_MM_MIN_INTERMEDIATE = 8192
+IMPLS = ("auto", "triton", "grouped_mm", "reference")
+
+
+def pick_config(num_tokens: int, top_k: int, w13: torch.Tensor, sms: int = 132) -> MoEConfig:
+    """The table's entry for T * k / E rows per expert; with `fill_sms`, block_n halved while
+    the programs of the row blocks that hold pairs (at least one per touched expert) number
+    fewer than `sms`."""
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    hidden = w13.shape[2]
+    per_expert = num_tokens * top_k / num_experts
+    config = next(c for top, c in MOE_CONFIGS if per_expert <= top)
+    if not config.fill_sms:
+        return config
+    pairs = num_tokens * top_k
+    blocks = max(triton.cdiv(pairs, config.block_m), min(num_experts, pairs))
+    return dataclasses.replace(
+        config,
+        gate_up=_narrowed(config.gate_up, blocks, inter, sms),
+        down=_narrowed(config.down, blocks, hidden, sms),
+    )
+
+
+def _narrowed(tiles: GemmTiles, blocks: int, n: int, sms: int) -> GemmTiles:
+    block_n = tiles.block_n
+    while block_n > 16 and blocks * triton.cdiv(n, block_n) < sms:
+        block_n //= 2
+    return dataclasses.replace(tiles, block_n=block_n)
+
+
+def experts_forward(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """`out` [T, H] by `impl`: "auto" (the reference on CPU; on CUDA `AUTO_IMPL` by rows per
+    expert, triton for small experts or where grouped_mm cannot run), "triton", "grouped_mm" or "reference"."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        impl = _auto_impl(x, w13, topk_ids.shape[1])
+    if impl == "reference":
+        return moe_reference(x, w13, w2, topk_weights, topk_ids)
+    if impl == "grouped_mm":
+        return fused_moe_grouped_mm(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+
+
+def _auto_impl(x: torch.Tensor, w13: torch.Tensor, top_k: int) -> str:
+    if x.device.type != "cuda":
+        return "reference"
+    per_expert = x.shape[0] * top_k / w13.shape[0]
+    impl = next(name for top, name in AUTO_IMPL if per_expert < top)
+    small = w13.shape[1] // 2 < GROUPED_MM_MIN_INTERMEDIATE
+    if impl == "grouped_mm" and (x.dtype != torch.bfloat16 or small):
+        return "triton"
+    return impl
+
+
+def fused_moe_triton(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: MoEConfig | None = None,
+) -> torch.Tensor:
+    """`out` by the Triton grouped GEMMs; `config` None picks `pick_config`'s."""
+    tokens, hidden, num_experts, inter, top_k = _check(x, w13, w2, topk_weights, topk_ids)
+    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    if tokens == 0:
+        return out
+    if config is None:
+        config = pick_config(tokens, top_k, w13, _sm_count(x.device))
+    if config.block_m < 16 or config.block_m & (config.block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= 16, got {config.block_m}")
+    plan = moe_align(topk_ids, num_experts, config.block_m)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    h = torch.empty(plan.num_rows, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(plan.num_rows, hidden, dtype=x.dtype, device=x.device)
+    common = dict(
+        BLOCK_M=config.block_m, GROUP_M=config.group_m, TOP_K=top_k,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    blocks = plan.block_expert.shape[0]
+    t1 = config.gate_up
+    gate_up_kernel[(blocks * triton.cdiv(inter, t1.block_n),)](
+        x, w13, plan.sorted_pairs, plan.block_expert, h,
+        plan.num_pairs, blocks, inter, hidden,
+        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        EVEN_K=hidden % t1.block_k == 0, BLOCK_N=t1.block_n, BLOCK_K=t1.block_k,
+        num_warps=t1.num_warps, num_stages=t1.num_stages, **common,
+    )  # fmt: skip
+    t2 = config.down
+    down_kernel[(blocks * triton.cdiv(hidden, t2.block_n),)](
+        h, w2, plan.sorted_pairs, plan.block_expert, topk_weights.contiguous(), y,
+        plan.num_pairs, blocks, hidden, inter,
+        h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        EVEN_K=inter % t2.block_k == 0, BLOCK_N=t2.block_n, BLOCK_K=t2.block_k,
+        num_warps=t2.num_warps, num_stages=t2.num_stages, **common,
+    )  # fmt: skip
+    _sum_slots(y, plan, None, out)
+    return out
+
+
+def fused_moe_grouped_mm(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """`out` by two `torch._grouped_mm` over the rows sorted by expert (no padding)."""
+    tokens, hidden, num_experts, inter, _ = _check(x, w13, w2, topk_weights, topk_ids)
+    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+        raise ValueError(f"grouped_mm runs bf16 only on CUDA (other dtypes sync), got {x.dtype}")
+    if (hidden * x.element_size()) % 16 or (inter * x.element_size()) % 16:
+        raise ValueError(f"grouped_mm needs rows of 16-byte multiples, got H={hidden}, I={inter}")
+    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    if tokens == 0:
+        return out
+    plan = moe_align(topk_ids, num_experts, 1)
+    rows = torch.empty(plan.num_rows, hidden, dtype=x.dtype, device=x.device)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    block = min(1024, triton.next_power_of_2(hidden))
+    gather_rows_kernel[(plan.num_rows, triton.cdiv(hidden, block))](
+        x, plan.sorted_pairs, rows, plan.num_pairs, hidden, x.stride(0), rows.stride(0),
+        TOP_K=plan.top_k, BLOCK=block,
+    )  # fmt: skip
+    # Rows past the last expert's end (dropped pairs) are left uncomputed; nothing reads them.
+    gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=plan.expert_ends)
+    h = fused_ops.silu_and_mul(gate_up)  # gate_up's rows may be padded (CUDA): strided
+    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=plan.expert_ends)
+    _sum_slots(y, plan, topk_weights.contiguous(), out)
+    return out
+
+
+def moe_reference(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """`out` by a loop over the experts, everything in float32 (syncs: not capturable)."""
+    _, hidden, num_experts, inter, _ = _check(x, w13, w2, topk_weights, topk_ids)
+    acc = torch.zeros(x.shape[0], hidden, dtype=torch.float32, device=x.device)
+    xf = x.float()
+    for expert in range(num_experts):
+        tokens, slots = (topk_ids == expert).nonzero(as_tuple=True)
+        if tokens.numel() == 0:
+            continue
+        gate_up = xf[tokens] @ w13[expert].float().T
+        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y = act @ w2[expert].float().T
+        acc.index_add_(0, tokens, y * topk_weights[tokens, slots, None].float())
+    return acc.to(x.dtype)
+
+
+def _sum_slots(y: torch.Tensor, plan: MoEPlan, weights: torch.Tensor | None, out) -> None:
+    """out[t] = sum over slots j, in order, of y[pair_rows[t * k + j]] (times the routing
+    weight if `weights`), float32 accumulation; dropped pairs (-1) add nothing."""
+    tokens, hidden = out.shape
+    block = min(1024, triton.next_power_of_2(hidden))
+    sum_slots_kernel[(tokens, triton.cdiv(hidden, block))](
+        y, plan.pair_rows, weights if weights is not None else y, out,
+        hidden, y.stride(0), out.stride(0),
+        TOP_K=plan.top_k, HAS_WEIGHTS=weights is not None, BLOCK=block,
+    )  # fmt: skip
+
+
+def _check(x, w13, w2, topk_weights, topk_ids) -> tuple[int, int, int, int, int]:
+    """(T, H, E, I, k) of consistent operands, else a ValueError naming the shapes."""
+    shapes = (
+        f"x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}, "
+        f"topk_weights {tuple(topk_weights.shape)}, topk_ids {tuple(topk_ids.shape)}"
+    )
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or topk_ids.dim() != 2:
+        raise ValueError(f"want x [T, H], w13 [E, 2I, H], w2 [E, H, I], ids [T, k]; got {shapes}")
+    (tokens, hidden), (num_experts, two_i, _) = x.shape, w13.shape
+    inter = two_i // 2
+    if (
+        two_i % 2
+        or w13.shape[2] != hidden
+        or w2.shape != (num_experts, hidden, inter)
+        or topk_ids.shape[0] != tokens
+        or topk_weights.shape != topk_ids.shape
+    ):
+        raise ValueError(f"inconsistent MoE shapes: {shapes}")
+    if x.dtype != w13.dtype or x.dtype != w2.dtype:
+        raise ValueError(f"x, w13, w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
+    if topk_ids.dtype not in (torch.int32, torch.int64) or not topk_weights.is_floating_point():
+        raise ValueError(
+            f"topk_ids must be int32/int64 and topk_weights float, got {topk_ids.dtype}, "
+            f"{topk_weights.dtype}"
+        )
+    if not w13.is_contiguous() or not w2.is_contiguous():
+        raise ValueError("w13 and w2 must be contiguous")
+    devices = {t.device for t in (x, w13, w2, topk_weights, topk_ids)}
+    if len(devices) != 1:
+        raise ValueError(f"operands on several devices: {sorted(map(str, devices))}")
+    return tokens, hidden, num_experts, inter, topk_ids.shape[1]
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # an H200's, so CPU runs pick the configs the GPU picks
+    return torch.cuda.get_device_properties(device).multi_processor_count

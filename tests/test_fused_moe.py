@@ -1,0 +1,260 @@
+"""The MoE expert computation (`fused_moe`): the routing plan's invariants, the Triton grouped
+GEMMs and the `torch._grouped_mm` path against the float32 expert loop, and the benchmark's
+smoke run.
+
+Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET must be set before
+the kernel modules are imported); the GPU tests (Qwen3-30B-A3B shapes, CUDA graphs) skip there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from common.model.kernels import fused_moe as fm  # noqa: E402
+from common.model.kernels import moe_align as align  # noqa: E402
+from common.model.kernels.fused_moe import GemmTiles, MoEConfig  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+ROOT = Path(__file__).resolve().parents[1]
+# fp32: summation order only. bf16: the intermediate and each slot's output are rounded once
+# to bf16 before the float32 reference's end.
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+# Two row blocks per busy expert and a K (= I = 96) that is no multiple of block_k.
+SMALL_TILES = MoEConfig(16, GemmTiles(32, 32, 4, 2), GemmTiles(32, 64, 4, 2), group_m=2)
+
+
+def routing(tokens, experts, top_k, used=None, seed=0, device=DEVICE):
+    """Duplicate-free ids per token, drawn from the first `used` experts only (the rest get
+    no pair), and positive weights."""
+    g = torch.Generator().manual_seed(seed)
+    used = used or experts
+    ids = torch.empty(0, top_k, dtype=torch.long)
+    if tokens:
+        ids = torch.stack([torch.randperm(used, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g) + 0.1
+    return weights.to(device), ids.to(torch.int32).to(device)
+
+
+def operands(tokens, experts, top_k, hidden, inter, dtype, used=None, seed=0, device=DEVICE):
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(tokens, hidden, generator=g)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, inter, generator=g) * inter**-0.5
+    weights, ids = routing(tokens, experts, top_k, used, seed, device)
+    return (*(t.to(dtype).to(device) for t in (x, w13, w2)), weights, ids)
+
+
+def assert_plan_is_sound(plan: fm.MoEPlan, ids: torch.Tensor, experts: int) -> None:
+    """Every routed pair sits once in its expert's group, in pair order; groups come in expert
+    order, padded to block_m; every other row holds the sentinel; blocks name their owner."""
+    flat, bm = ids.flatten().tolist(), plan.block_m
+    rows, owner = plan.sorted_pairs.tolist(), plan.block_expert.tolist()
+    pair_rows, ends = plan.pair_rows.tolist(), plan.expert_ends.tolist()
+    assert plan.num_rows == align.max_rows(len(flat), experts, bm)
+    start = 0
+    for e in range(experts):
+        mine = [p for p, i in enumerate(flat) if i == e]
+        assert ends[e] - start == -(-len(mine) // bm) * bm
+        assert rows[start : start + len(mine)] == mine
+        assert set(rows[start + len(mine) : ends[e]]) <= {len(flat)}
+        assert set(owner[start // bm : ends[e] // bm]) <= {e}
+        start = ends[e]
+    assert set(rows[start:]) <= {len(flat)} and set(owner[start // bm :]) <= {-1}
+    for p, i in enumerate(flat):
+        assert pair_rows[p] == (rows.index(p) if 0 <= i < experts else -1)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,block_m", [(1, 4, 2, 16), (17, 8, 2, 16),
+                                                          (50, 64, 6, 1), (9, 8, 3, 4)])  # fmt: skip
+def test_plan_groups_pairs_by_expert_with_padding_rows_pointing_past_the_pairs(
+    tokens, experts, top_k, block_m
+):
+    _, ids = routing(tokens, experts, top_k, used=max(top_k, experts - 3))
+    assert_plan_is_sound(fm.moe_align(ids, experts, block_m), ids, experts)
+
+
+def test_multi_program_plan_equals_the_one_program_plan(monkeypatch):
+    _, ids = routing(50, 8, 3, used=6, seed=3)
+    ids[4, 1] = -1  # dropped pairs too
+    one = fm.moe_align(ids.long(), 8, 16)
+    monkeypatch.setattr(align, "ONE_PROGRAM_PAIRS", 16)
+    monkeypatch.setattr(align, "PAIRS_PER_PROGRAM", 32)
+    many = fm.moe_align(ids, 8, 16)
+    assert_plan_is_sound(many, ids, 8)
+    for name in ("sorted_pairs", "block_expert", "pair_rows", "expert_ends"):
+        assert torch.equal(getattr(one, name), getattr(many, name)), name
+
+
+def test_ids_outside_the_experts_drop_their_pair_everywhere():
+    dtype = torch.bfloat16 if CUDA else torch.float32  # grouped_mm: bf16 only on CUDA
+    x, w13, w2, weights, ids = operands(5, 4, 2, 64, 32, dtype)
+    ids[1, 0], ids[3, 1] = -1, 4
+    plan = fm.moe_align(ids, 4, 16)
+    assert plan.pair_rows[2].item() == -1 and plan.pair_rows[7].item() == -1
+    assert_plan_is_sound(plan, ids, 4)
+    kept = weights.clone()
+    kept[1, 0] = kept[3, 1] = 0.0
+    ref = fm.moe_reference(x, w13, w2, kept, ids.clamp(0, 3))
+    for impl in ("triton", "grouped_mm", "reference"):
+        out = fm.experts_forward(x, w13, w2, weights, ids, impl=impl)
+        torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+
+
+# (T, E, k, I, dtype, config): T = 1, 3, 17; some experts get no token; uneven K tiles.
+CASES = [
+    (1, 4, 2, 32, torch.float32, None),
+    (3, 8, 2, 96, torch.float32, None),
+    (17, 8, 2, 64, torch.float32, SMALL_TILES),
+    (17, 4, 2, 96, torch.float32, SMALL_TILES),  # 17 rows on each of two experts
+    (1, 8, 2, 96, torch.bfloat16, None),
+    (17, 8, 2, 32, torch.bfloat16, SMALL_TILES),
+]
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,inter,dtype,config", CASES)
+def test_triton_path_matches_the_float32_expert_loop(tokens, experts, top_k, inter, dtype, config):
+    args = operands(tokens, experts, top_k, 64, inter, dtype, used=experts - 2)
+    out = fm.fused_moe_triton(*args, config=config)
+    assert out.dtype == dtype and out.shape == (tokens, 64)
+    torch.testing.assert_close(out.float(), fm.moe_reference(*args).float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,inter,dtype,_", CASES[:2] + CASES[4:])
+def test_grouped_mm_path_matches_the_float32_expert_loop(tokens, experts, top_k, inter, dtype, _):
+    if CUDA and dtype != torch.bfloat16:
+        pytest.skip("grouped_mm runs bf16 only on CUDA")
+    args = operands(tokens, experts, top_k, 64, inter, dtype, used=experts - 2)
+    out = fm.fused_moe_grouped_mm(*args)
+    assert out.dtype == dtype and out.shape == (tokens, 64)
+    torch.testing.assert_close(out.float(), fm.moe_reference(*args).float(), **TOL[dtype])
+
+
+def test_triton_path_is_deterministic_and_takes_int64_ids():
+    x, w13, w2, weights, ids = operands(17, 8, 2, 64, 32, torch.bfloat16)
+    first = fm.fused_moe_triton(x, w13, w2, weights, ids, config=SMALL_TILES)
+    again = fm.fused_moe_triton(x, w13, w2, weights, ids.long(), config=SMALL_TILES)
+    assert torch.equal(first, again)  # slots summed in a fixed order, no atomics
+
+
+def test_auto_is_the_reference_on_cpu_and_no_tokens_give_an_empty_output():
+    args = operands(3, 4, 2, 64, 32, torch.float32, device=torch.device("cpu"))
+    assert torch.equal(fm.experts_forward(*args), fm.moe_reference(*args))
+    empty = operands(0, 4, 2, 64, 32, torch.bfloat16)
+    for impl in ("triton", "grouped_mm"):
+        assert fm.experts_forward(*empty, impl=impl).shape == (0, 64)
+
+
+def test_configs_split_decode_columns_until_the_sms_are_busy():
+    w13 = torch.empty(128, 2 * 768, 2048, device="meta")  # Qwen3-30B-A3B
+    decode = fm.pick_config(1, 8, w13, sms=132)
+    assert decode.block_m == 16
+    assert 8 * -(-768 // decode.gate_up.block_n) >= 132  # 8 experts touched
+    assert 8 * -(-2048 // decode.down.block_n) >= 132
+    prefill = fm.pick_config(2048, 8, w13, sms=132)
+    assert prefill.block_m == 128 and prefill == fm.MOE_CONFIGS[-1][1]
+
+
+def test_bad_operands_are_refused_naming_the_values():
+    x, w13, w2, weights, ids = operands(3, 4, 2, 64, 32, torch.float32)
+    with pytest.raises(ValueError, match=r"inconsistent MoE shapes: .*w2 \(4, 64, 16\)"):
+        fm.fused_moe_triton(x, w13, w2[:, :, :16], weights, ids)
+    with pytest.raises(ValueError, match=r"share a dtype, got torch.float32, torch.bfloat16"):
+        fm.fused_moe_triton(x, w13.bfloat16(), w2, weights, ids)
+    with pytest.raises(ValueError, match=r"int32 or int64, got torch.float32"):
+        fm.moe_align(ids.float(), 4, 16)
+    with pytest.raises(ValueError, match=r"impl must be one of .* got 'fast'"):
+        fm.experts_forward(x, w13, w2, weights, ids, impl="fast")
+    with pytest.raises(ValueError, match=r"block_m must be a power of two >= 16, got 8"):
+        fm.fused_moe_triton(
+            x, w13, w2, weights, ids, config=dataclasses.replace(SMALL_TILES, block_m=8)
+        )
+
+
+def test_benchmark_smoke_run_checks_both_paths(tmp_path):
+    out = tmp_path / "moe.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_moe.py"), "--smoke", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert {r["impl"] for r in rows} == {"reference", "grouped_mm", "triton"}
+    assert all(r["max_rel_err"] < report["tol"] for r in rows if r["impl"] != "reference")
+    assert all(r["touched_experts"] >= 1 and r["floor_us"] > 0 for r in rows)
+
+
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+QWEN3 = dict(experts=128, top_k=8, hidden=2048, inter=768)  # Qwen3-30B-A3B, one layer
+
+
+@pytest.fixture(scope="module")
+def qwen3_weights():
+    torch.manual_seed(0)
+    e, h, i = QWEN3["experts"], QWEN3["hidden"], QWEN3["inter"]
+    w13 = (torch.randn(e, 2 * i, h, device=DEVICE) * h**-0.5).bfloat16()
+    w2 = (torch.randn(e, h, i, device=DEVICE) * i**-0.5).bfloat16()
+    return w13, w2
+
+
+@gpu
+@pytest.mark.parametrize("tokens", [1, 32, 2048])
+@pytest.mark.parametrize("impl", ["triton", "grouped_mm"])
+def test_gpu_paths_match_the_reference_at_qwen3_moe_shapes(qwen3_weights, tokens, impl):
+    w13, w2 = qwen3_weights
+    x = torch.randn(tokens, QWEN3["hidden"], device=DEVICE).bfloat16()
+    weights, ids = routing(tokens, QWEN3["experts"], QWEN3["top_k"], seed=tokens)
+    out = fm.experts_forward(x, w13, w2, weights, ids, impl=impl)
+    ref = fm.moe_reference(x, w13, w2, weights, ids)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
+
+
+@gpu
+def test_grouped_mm_refuses_dtypes_that_would_sync_on_cuda():
+    args = operands(3, 4, 2, 64, 32, torch.float32)
+    with pytest.raises(ValueError, match=r"bf16 only on CUDA .* got torch.float32"):
+        fm.fused_moe_grouped_mm(*args)
+    assert fm.experts_forward(*args).dtype == torch.float32  # auto takes triton instead
+
+
+@gpu
+@pytest.mark.parametrize("tokens", [32, 2048])  # the plan in one launch, and in three
+@pytest.mark.parametrize("impl", ["triton", "grouped_mm"])
+def test_gpu_paths_replay_in_a_cuda_graph_with_new_routing(qwen3_weights, tokens, impl):
+    w13, w2 = qwen3_weights
+    x = torch.randn(tokens, QWEN3["hidden"], device=DEVICE).bfloat16()
+    weights, ids = routing(tokens, QWEN3["experts"], QWEN3["top_k"], seed=1)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fm.experts_forward(x, w13, w2, weights, ids, impl=impl)  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fm.experts_forward(x, w13, w2, weights, ids, impl=impl)
+    new_weights, new_ids = routing(tokens, QWEN3["experts"], QWEN3["top_k"], seed=2)
+    x.copy_(torch.randn_like(x))
+    weights.copy_(new_weights)
+    ids.copy_(new_ids)
+    graph.replay()
+    ref = fm.moe_reference(x, w13, w2, weights, ids)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])

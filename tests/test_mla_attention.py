@@ -1,0 +1,235 @@
+"""MLA (absorbed form) paged attention kernels against the float32 torch reference, at the real
+latent widths (Dc = 512, Dr = 64).
+
+Without CUDA the Triton kernels run in the CPU interpreter (TRITON_INTERPRET must be set before
+the kernels are decorated, hence before the imports below). Every cache slot outside a
+sequence's context holds NaN, so a kernel that reads past a length or an unowned page fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from common.model.attention.mla_reference import (  # noqa: E402
+    mla_reference,
+    write_latent_reference,
+)
+from common.model.kernels.mla_attention import (  # noqa: E402
+    mla_decode_scratch,
+    paged_mla_decode,
+    paged_mla_prefill,
+    write_latent,
+)
+from common.model.kernels.paged_attention import DecodeScratch  # noqa: E402
+from common.model.quantization.fp8_ops import FP8  # noqa: E402
+
+DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
+DC, DR = 512, 64
+SCALE = 192**-0.5  # DeepSeek's 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)
+KV_SCALE = 0.05
+# fp32: the kernels and the reference differ only in summation order. bf16 (q, cache or P):
+# the kernel rounds P to bf16 before P c; the reference stays in fp32.
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@dataclass
+class Batch:
+    q_nope: torch.Tensor
+    q_pe: torch.Tensor
+    cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+
+    def reference(self, kv_scale: float = 1.0, prefill: bool = True) -> torch.Tensor:
+        qsl = self.query_start_loc if prefill else None
+        return mla_reference(self.q_nope, self.q_pe, self.cache, self.seq_lens, self.block_tables,
+                             SCALE, kv_scale, qsl)  # fmt: skip
+
+
+def make_batch(q_lens, seq_lens, heads, dtype, cache_dtype=None, page=16, seed=0) -> Batch:
+    """Contexts in shuffled pages of a NaN-filled pool (`write_latent_reference`); tables
+    padded with the padding block (the last), which is also a length-0 row's whole table."""
+    gen = torch.Generator().manual_seed(seed)
+    cache_dtype = cache_dtype or dtype
+    pages = [-(-s // page) for s in seq_lens]
+    num_blocks = sum(pages) + 3
+    cache = torch.full((num_blocks + 1, page, 1, DC + DR), float("nan")).to(DEVICE, cache_dtype)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[order.pop() for _ in range(n)] for n in pages]
+    slots = [
+        t[p // page] * page + p % page
+        for t, s in zip(tables, seq_lens, strict=True)
+        for p in range(s)
+    ]
+    n = len(slots)
+    latent, k_pe = torch.randn(n, DC, generator=gen), torch.randn(n, DR, generator=gen)
+    slot_t = torch.tensor(slots, dtype=torch.int64)
+    write_latent_reference(latent.to(DEVICE), k_pe.to(DEVICE), cache, slot_t.to(DEVICE), KV_SCALE)
+    width = max(pages) + 1
+    table_t = torch.tensor([t + [num_blocks] * (width - len(t)) for t in tables], dtype=torch.int32)
+    t = sum(q_lens)
+    return Batch(
+        q_nope=torch.randn(t, heads, DC, generator=gen).to(DEVICE, dtype),
+        q_pe=torch.randn(t, heads, DR, generator=gen).to(DEVICE, dtype),
+        cache=cache,
+        block_tables=table_t.to(DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        query_start_loc=torch.tensor([0, *q_lens], device=DEVICE).cumsum(0).to(torch.int32),
+    )
+
+
+def decode(b: Batch, splits: int | None, kv_scale: float = 1.0, block_n: int = 16):
+    rows, heads = b.q_nope.shape[:2]
+    scratch = None if splits is None else DecodeScratch.allocate(rows, heads, splits, DC, DEVICE)
+    return paged_mla_decode(b.q_nope, b.q_pe, b.cache, b.block_tables, b.seq_lens, SCALE,
+                            kv_scale, scratch=scratch, block_n=block_n)  # fmt: skip
+
+
+# A one-key row, whole and partial key tiles over splits, a length-0 padding row on the padding
+# block; 20 heads fill one head group and part of a second.
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_fp32_matches_reference_across_splits_and_a_padding_row(splits):
+    b = make_batch([1] * 4, [1, 37, 130, 0], 20, torch.float32)
+    out = decode(b, splits)
+    torch.testing.assert_close(out, b.reference(prefill=False), **TOL[torch.float32])
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+
+
+def test_decode_bf16_with_its_own_scratch_matches_reference():
+    """The default split count (2 waves of 132 SMs off the device: most splits are empty)."""
+    b = make_batch([1] * 3, [70, 5, 200], 16, torch.bfloat16)
+    out = decode(b, None)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(
+        out.float(), b.reference(prefill=False).float(), **TOL[torch.bfloat16]
+    )
+
+
+# A decode-like row over a prefix, a whole prompt over several query tiles and the causal
+# diagonal, a chunk after a cached prefix, a short prompt.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_matches_reference_with_cached_prefixes(dtype):
+    q_lens, seq_lens = [1, 19, 6, 3], [17, 19, 45, 3]
+    b = make_batch(q_lens, seq_lens, 16, dtype)
+    out = paged_mla_prefill(b.q_nope, b.q_pe, b.cache, b.query_start_loc, b.seq_lens,
+                            b.block_tables, max(q_lens), SCALE, block_n=16)  # fmt: skip
+    torch.testing.assert_close(out.float(), b.reference().float(), **TOL[dtype])
+
+
+def test_chunked_prefill_equals_the_whole_prompt_at_once():
+    whole = make_batch([40], [40], 8, torch.float32, page=8)
+    once = paged_mla_prefill(whole.q_nope, whole.q_pe, whole.cache, whole.query_start_loc,
+                             whole.seq_lens, whole.block_tables, 40, SCALE, block_n=16)  # fmt: skip
+    chunks = []
+    for start, end in ((0, 16), (16, 35), (35, 40)):
+        lens = torch.tensor([end], dtype=torch.int32, device=DEVICE)
+        qsl = torch.tensor([0, end - start], dtype=torch.int32, device=DEVICE)
+        chunks.append(paged_mla_prefill(whole.q_nope[start:end], whole.q_pe[start:end],
+                                        whole.cache, qsl, lens, whole.block_tables, end - start,
+                                        SCALE, block_n=16))  # fmt: skip
+    torch.testing.assert_close(torch.cat(chunks), once, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(once, whole.reference(), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_fp8_cache_decode_and_prefill_match_the_dequantized_reference(q_dtype):
+    b = make_batch([1, 12], [33, 50], 16, q_dtype, cache_dtype=FP8)
+    out = paged_mla_prefill(b.q_nope, b.q_pe, b.cache, b.query_start_loc, b.seq_lens,
+                            b.block_tables, 12, SCALE, KV_SCALE, block_n=16)  # fmt: skip
+    torch.testing.assert_close(out.float(), b.reference(KV_SCALE).float(), **TOL[q_dtype])
+    rows = b.query_start_loc[1:] - 1  # each sequence's last token as a decode row
+    d = Batch(b.q_nope[rows], b.q_pe[rows], b.cache, b.block_tables, b.seq_lens, b.query_start_loc)
+    out = decode(d, 2, KV_SCALE)
+    torch.testing.assert_close(out.float(), d.reference(KV_SCALE, False).float(), **TOL[q_dtype])
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
+def test_write_latent_equals_the_reference_writer_and_skips_negative_slots(cache_dtype):
+    gen = torch.Generator().manual_seed(1)
+    # 30x a unit normal past kv_scale: FP8 values beyond 448 saturate.
+    latent = (torch.randn(9, DC, generator=gen) * 30).to(DEVICE, torch.bfloat16)
+    k_pe = (torch.randn(9, DR, generator=gen) * 30).to(DEVICE, torch.bfloat16)
+    slots = torch.randperm(4 * 8, generator=gen)[:9].to(DEVICE)
+    slots[4] = -1
+    kernel = torch.zeros(5, 8, 1, DC + DR, device=DEVICE).to(cache_dtype)
+    ref = kernel.clone()
+    write_latent(latent, k_pe, kernel, slots, KV_SCALE)
+    write_latent_reference(latent, k_pe, ref, slots, KV_SCALE)
+    as_bytes = lambda t: t.view(torch.uint8)  # noqa: E731
+    assert torch.equal(as_bytes(kernel[:4]), as_bytes(ref[:4]))
+    assert not as_bytes(kernel[4]).any()  # the slot -1 row went nowhere
+    assert kernel.float().isfinite().all()
+
+
+def test_misuse_raises_value_errors_naming_the_values():
+    q_nope = torch.zeros(1, 16, DC, device=DEVICE)
+    q_pe = torch.zeros(1, 16, DR, device=DEVICE)
+    lens = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    narrow = torch.zeros(2, 8, 1, DC, device=DEVICE)
+    with pytest.raises(ValueError, match=r"512 \+ 64.*\(2, 8, 1, 512\)"):
+        paged_mla_decode(q_nope, q_pe, narrow, table, lens, SCALE)
+    fp8 = torch.zeros(2, 8, 1, DC + DR, device=DEVICE).to(FP8)
+    with pytest.raises(ValueError, match="kv_scale, got 0.0"):
+        paged_mla_decode(q_nope, q_pe, fp8, table, lens, SCALE, kv_scale=0.0)
+    with pytest.raises(ValueError, match="Dc=384"):
+        write_latent(torch.zeros(1, 384), torch.zeros(1, DR), torch.zeros(2, 8, 1, 448), lens)
+
+
+def test_decode_benchmark_smoke_run_reports_checked_times_and_floors(tmp_path):
+    out = tmp_path / "mla.json"
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(root / "benchmarks" / "bench_mla_decode.py"),
+            "--smoke",
+            "--out",
+            str(out),
+        ],
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    assert [(r["heads"], r["batch"]) for r in results] == [(16, 1), (16, 2)]
+    assert all(r["us_per_call"] > 0 and r["floor_us"] > 0 and r["max_err"] < 2e-2 for r in results)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_bf16_decode_at_8k_context_matches_reference(heads):
+    b = make_batch([1] * 3, [8192, 8191, 3000], heads, torch.bfloat16, page=64)
+    ref = b.reference(prefill=False).float()
+    for scratch in (None, mla_decode_scratch(3, heads, DC, DEVICE, max_seq_len=8192)):
+        out = paged_mla_decode(b.q_nope, b.q_pe, b.cache, b.block_tables, b.seq_lens, SCALE,
+                               scratch=scratch)  # fmt: skip
+        torch.testing.assert_close(out.float(), ref, **TOL[torch.bfloat16])
+
+
+@needs_cuda
+def test_gpu_bf16_prefill_chunk_after_a_long_prefix_matches_reference():
+    b = make_batch([300, 1], [8192, 4000], 16, torch.bfloat16, page=64)
+    out = paged_mla_prefill(b.q_nope, b.q_pe, b.cache, b.query_start_loc, b.seq_lens,
+                            b.block_tables, 300, SCALE)  # fmt: skip
+    torch.testing.assert_close(out.float(), b.reference().float(), **TOL[torch.bfloat16])
