@@ -76,7 +76,7 @@ def run_window(model, kv: KVCache, ids: torch.Tensor) -> tuple[float, int]:
     spec = model.spec
     ctx = ForwardContext(
         TorchAttentionBackend(), metadata(len(ids)), kv.k_caches, kv.v_caches,
-        spec.head_dim**-0.5, **kv.context_kwargs(),
+        spec.attention_scale, **kv.context_kwargs(),
     )  # fmt: skip
     hidden = model(ids, torch.arange(len(ids)), ctx)
     logprobs = model.compute_logits(hidden[:-1]).log_softmax(-1)

@@ -174,7 +174,7 @@ def load_target(target_dir):
     spec = read_spec(source)
     model = build_model(spec, source, max_positions=512, dtype=torch.float32, device=CPU)
     kv = KVCache.allocate(spec, 32, BLOCK, torch.float32, CPU)
-    return model, ProposerPool(kv, create_backend("torch"), CPU, spec.head_dim)
+    return model, ProposerPool(kv, create_backend("torch"), CPU, spec.attention_scale)
 
 
 def run_target(model, pool, tokens, start, blocks) -> torch.Tensor:
@@ -219,7 +219,7 @@ def test_head_forward_matches_the_reference_for_a_prompt_then_single_rows(tmp_pa
     head = load_head(tmp_path, None if own_embedding else lambda ids: F.embedding(ids, embedding))
     assert hasattr(head, "embed_tokens") == own_embedding
     kv = KVCache.allocate(head.spec.layer, 8, BLOCK, torch.float32, CPU)
-    pool = ProposerPool(kv, create_backend("torch"), CPU, H // HEADS)
+    pool = ProposerPool(kv, create_backend("torch"), CPU, head.spec.layer.attention_scale)
     ids = torch.randint(0, VOCAB, (20,), generator=g)
     hidden = torch.randn(20, H, generator=g)
     want = reference(t, embedding, ids, hidden)

@@ -1,15 +1,19 @@
-"""The paged KV pool: one allocation, viewed per layer as K and V blocks.
+"""The paged KV pool: one allocation, viewed per layer as K and V blocks (or MLA latents).
 
-Layout `[num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim]`, so layer l's K is
-the contiguous view `[num_blocks + 1, block_size, num_kv_heads, head_dim]`. One allocation means
+Layout `[num_layers, planes, num_blocks + 1, block_size, heads, head_dim]` from the model's
+`KVCacheGeometry`: planes 2 (K, V) of num_kv_heads x head_dim, so layer l's K is the
+contiguous view `[num_blocks + 1, block_size, num_kv_heads, head_dim]` (`k_caches`); for
+DeepSeek's MLA one plane of one "head" of kv_lora_rank + qk_rope_head_dim values, the
+`[latent | k_pe]` row every query head reads (`latent_caches`). One allocation means
 one CUDA IPC handle exports the whole pool to a prefill node. The extra last block belongs to no
 sequence: padding rows of a captured CUDA-graph batch write their KV there (`padding_slot`),
 so a captured step needs no data-dependent branch.
 
 `--kv-cache-dtype fp8` stores K and V as float8_e4m3fn with one scale per layer for K and one
-for V: stored = clamp(x / scale, -448, 448), read = stored * scale. Scales come from the
-checkpoint (`self_attn.k_scale` / `v_scale`), else 1.0: Llama-family K and V stay far inside
-+-448, and a value beyond saturates rather than overflowing. A pool in the model dtype ignores
+for V (an MLA pool's one plane uses the K scales): stored = clamp(x / scale, -448, 448), read =
+stored * scale. Scales come from the checkpoint (`self_attn.k_scale` / `v_scale`), else 1.0:
+Llama-family K and V (and DeepSeek's normalized latents) stay far inside +-448, and a value
+beyond saturates rather than overflowing. A pool in the model dtype ignores
 them, and its attention calls are exactly those of a model without FP8 KV.
 """
 
@@ -53,7 +57,8 @@ class KVCache:
         k_scales: list[float] | None = None,
         v_scales: list[float] | None = None,
     ) -> KVCache:
-        shape = (spec.num_layers, 2, num_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim)
+        g = spec.kv_cache_geometry
+        shape = (spec.num_layers, g.planes, num_blocks + 1, block_size, g.heads, g.head_dim)
         pool = torch.zeros(shape, dtype=dtype, device=device)
         return cls(pool, block_size, list(k_scales or []), list(v_scales or []))
 
@@ -70,9 +75,18 @@ class KVCache:
     def is_fp8(self) -> bool:
         return self.pool.dtype == FP8_KV_DTYPE
 
-    def context_kwargs(self) -> dict[str, list[float]]:
-        """The scale arguments of every `ForwardContext` over this pool: none for a pool in the
-        model dtype, the per-layer scales for an FP8 one."""
+    @property
+    def is_latent(self) -> bool:
+        """One plane: DeepSeek's MLA latent rows."""
+        return self.pool.shape[1] == 1
+
+    def context_kwargs(self) -> dict[str, list]:
+        """The arguments of every `ForwardContext` over this pool beyond its K/V caches: an MLA
+        pool's latent caches; the per-layer scales of an FP8 pool (none in the model dtype)."""
+        if self.is_latent:
+            return {"latent_caches": self.latent_caches} | (
+                {"latent_scales": self.k_scales} if self.is_fp8 else {}
+            )
         if not self.is_fp8:
             return {}
         return {"k_scales": self.k_scales, "v_scales": self.v_scales}
@@ -90,12 +104,17 @@ class KVCache:
             setattr(self, name, [float(s) for s in scales])
         # Per-layer views, made once: the prefill graphs index them on every layer of a step.
         layers = range(num_layers)
-        self.k_caches: list[torch.Tensor] = [self.pool[layer, 0] for layer in layers]
-        self.v_caches: list[torch.Tensor] = [self.pool[layer, 1] for layer in layers]
+        first = [self.pool[layer, 0] for layer in layers]
+        self.latent_caches: list[torch.Tensor] = first if self.is_latent else []
+        self.k_caches: list[torch.Tensor] = [] if self.is_latent else first
+        self.v_caches: list[torch.Tensor] = (
+            [] if self.is_latent else [self.pool[layer, 1] for layer in layers]
+        )
 
 
 def block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of every layer for one block, in the pool's dtype (an FP8 block: half bf16's)."""
+    """K and V (or MLA latents) of every layer for one block, in the pool's dtype (an FP8 block:
+    half bf16's)."""
     return spec.kv_bytes_per_token(dtype.itemsize) * block_size
 
 

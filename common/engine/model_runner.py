@@ -186,7 +186,7 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.block_size = kv_cache.block_size
-        self.scale = model.spec.head_dim**-0.5
+        self.scale = model.spec.attention_scale
         self.sampler = Sampler(model.spec.vocab_size, device)
         self.eos_token_ids = list(model.spec.eos_token_ids)
         self.graphs: DecodeGraphs | None = None

@@ -7,7 +7,8 @@ captured graph (vLLM's piecewise mode): num_layers + 1 replays and num_layers ea
 calls per step instead of ~10 launches per layer.
 
 Pieces exchange data through static buffers: a piece ends by copying q, k, v into `q`, `k`,
-`v`; the eager attention sees only the real tokens' rows (every backend gets an eager step's
+`v` (MLA: q_nope, q_pe, latent, k_pe into theirs, and the layer's `LatentProjection` is kept);
+the eager attention sees only the real tokens' rows (every backend gets an eager step's
 shapes, padding rows write no KV) and writes `attn_out`, whose padding rows hold stale, finite
 values (dense ops are row-wise). The per-layer hook runs right after that layer's attention,
 as in an eager step. On CPU nothing is captured; the same padded forward and boundary copies run.
@@ -23,6 +24,7 @@ import torch
 from common.engine.cuda_graphs import STAGING_DEPTH, Replay, StagingRing
 from common.engine.kv_cache import KVCache
 from common.model.attention import AttentionBackend, AttentionMetadata, ForwardContext
+from common.model.attention.base import LatentProjection
 from common.model.registry import CausalLM
 
 log = logging.getLogger(__name__)
@@ -56,10 +58,22 @@ class PrefillGraphs:
         self.on_cuda = device.type == "cuda"
         self._vectors = torch.zeros(2, n, dtype=torch.int64, device=device)  # ids, positions
         self.input_ids, self.positions = self._vectors
-        self.q = torch.zeros(n, spec.num_heads, spec.head_dim, dtype=dtype, device=device)
-        self.k = torch.zeros(n, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
-        self.attn_out = torch.zeros_like(self.q)
+        mla = spec.mla
+        self.latent = mla is not None
+        if mla is None:
+            self.q = torch.zeros(n, spec.num_heads, spec.head_dim, dtype=dtype, device=device)
+            self.k = torch.zeros(n, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)
+            self.v = torch.zeros_like(self.k)
+            self.attn_out = torch.zeros_like(self.q)
+        else:
+            heads = spec.num_heads
+            self.q_nope = torch.zeros(n, heads, mla.qk_nope_head_dim, dtype=dtype, device=device)
+            self.q_pe = torch.zeros(n, heads, mla.qk_rope_head_dim, dtype=dtype, device=device)
+            self.latent_rows = torch.zeros(n, mla.kv_lora_rank, dtype=dtype, device=device)
+            self.k_pe = torch.zeros(n, mla.qk_rope_head_dim, dtype=dtype, device=device)
+            self.attn_out = torch.zeros(n, heads, mla.v_head_dim, dtype=dtype, device=device)
+            # Each layer's kv_b_proj views, seen as the model runs: the same weights each time.
+            self.projections: list[LatentProjection | None] = [None] * spec.num_layers
         self.hidden = torch.zeros(n, spec.hidden_size, dtype=dtype, device=device)
         self.staging = StagingRing(STAGING_DEPTH, n, 1, pinned=self.on_cuda)
         self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
@@ -161,9 +175,15 @@ class PrefillGraphs:
 
     def attend(self, layer: int, n: int, ctx: ForwardContext) -> None:
         """The eager part between two pieces: layer `layer`'s attention over the first `n`
-        (real) rows of the static q, k, v (writing their KV), into `attn_out`; the context
-        runs the per-layer hook once the layer's KV is written."""
-        out = ctx.attention(layer, self.q[:n], self.k[:n], self.v[:n])
+        (real) rows of the static q, k, v (MLA: q_nope, q_pe, latent, k_pe), writing their KV,
+        into `attn_out`; the context runs the per-layer hook once the layer's KV is written."""
+        if self.latent:
+            out = ctx.latent_attention(
+                layer, self.q_nope[:n], self.q_pe[:n], self.latent_rows[:n], self.k_pe[:n],
+                self.projections[layer],
+            )  # fmt: skip
+        else:
+            out = ctx.attention(layer, self.q[:n], self.k[:n], self.v[:n])
         self.attn_out[:n].copy_(out)
 
 
@@ -200,9 +220,30 @@ class _Boundary(ForwardContext):
         o.q[:b].copy_(q)
         o.k[:b].copy_(k)
         o.v[:b].copy_(v)
+        return self._cut(layer)
+
+    def latent_attention(
+        self,
+        layer: int,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent: torch.Tensor,
+        k_pe: torch.Tensor,
+        proj: LatentProjection,
+    ) -> torch.Tensor:
+        o, b = self.owner, self.bucket
+        o.q_nope[:b].copy_(q_nope)
+        o.q_pe[:b].copy_(q_pe)
+        o.latent_rows[:b].copy_(latent)
+        o.k_pe[:b].copy_(k_pe)
+        o.projections[layer] = proj
+        return self._cut(layer)
+
+    def _cut(self, layer: int) -> torch.Tensor:
+        o = self.owner
         if self.pool is not None:
             self.end_piece()
             self.begin_piece()
         elif self.step is not None:
             o.attend(layer, *self.step)
-        return o.attn_out[:b]
+        return o.attn_out[: self.bucket]

@@ -140,6 +140,11 @@ class Worker:
                 f"speculative_method={method} runs on one rank; this pool has tp={config.tp} "
                 "(ngram works with tensor parallelism)"
             )
+        if method in ("draft", "eagle3") and self.spec.mla is not None:
+            raise ValueError(
+                f"speculative_method={method} does not support {self.spec.architecture} "
+                "targets (latent attention) yet; use --speculative-method ngram"
+            )
         self.ranks = None
         if config.tp > 1 and rank == 0:
             self.ranks = RankProcesses(config, role or RankRole())
@@ -187,8 +192,9 @@ class Worker:
         # Only an FP8 pool asks the backends about its dtype: "auto" calls them as before.
         kv_arg = {"kv_dtype": self.kv_dtype} if self.kv_dtype != self.dtype else {}
         backend_name, why = choose_backend(
-            config.attention_backend, self.device, cc.block_size, **kv_arg
-        )
+            config.attention_backend, self.device, cc.block_size, **kv_arg,
+            latent=self.spec.mla is not None,
+        )  # fmt: skip
         log.info("attention backend: %s (%s)", backend_name, why)
         self.backend = create_backend(backend_name)
         self.use_graphs = self.device.type == "cuda" and not config.enforce_eager

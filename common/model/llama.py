@@ -102,6 +102,10 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
 
+    @property
+    def input_quant(self):
+        return self.qkv_proj.input_quant
+
     def forward(
         self,
         positions: torch.Tensor,
@@ -162,17 +166,25 @@ def feed_forward(
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP; `attention` is the attention module's class (DeepSeek's
+    `MLAttention`), called as `Attention` is."""
+
     def __init__(
-        self, spec: ModelSpec, layer: int, tp: TPGroup, method: LinearMethod | None
+        self,
+        spec: ModelSpec,
+        layer: int,
+        tp: TPGroup,
+        method: LinearMethod | None,
+        attention: type[nn.Module] = Attention,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, layer, tp, method)
+        self.self_attn = attention(spec, layer, tp, method)
         self.mlp = feed_forward(spec, layer, tp, method)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, positions, hidden, residual, rotary, ctx):
-        quant = self.self_attn.qkv_proj.input_quant
+        quant = self.self_attn.input_quant
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden, quant=quant)
@@ -186,15 +198,20 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, spec: ModelSpec, max_positions: int, tp: TPGroup, method: LinearMethod | None
+        self,
+        spec: ModelSpec,
+        max_positions: int,
+        tp: TPGroup,
+        method: LinearMethod | None,
+        attention: type[nn.Module] = Attention,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(tp.layout(spec), spec.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, tp, method) for i in range(spec.num_layers)
+            DecoderLayer(spec, i, tp, method, attention) for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope)
+        self.rotary = RotaryEmbedding(spec.rotary_dim, max_positions, spec.rope)
         # EAGLE-3 (opt-in): ids i in 0..num_layers, ascending, of the residual stream a forward
         # leaves in `aux_hidden` (layer i's input; num_layers: the last layer's output before
         # the final norm), concatenated per token row: [T, len * hidden_size].
@@ -222,9 +239,12 @@ class LlamaForCausalLM(nn.Module):
 
     Built from the full `spec` for rank `tp.rank` (default: one rank); `self.spec` is the
     rank's (`rank_spec`: its heads, KV heads and MLP slice), which the KV pool is sized by.
-    `linear_method` computes every linear layer but the LM head (default: unquantized)."""
+    `linear_method` computes every linear layer but the LM head (default: unquantized).
+    Subclasses change the attention module (`attention`) and the fused checkpoint tensors
+    (`packed_modules`)."""
 
     packed_modules = PACKED_MODULES
+    attention: type[nn.Module] = Attention
 
     def __init__(
         self,
@@ -237,7 +257,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp = tp or TPGroup.single()
         layout = tp.layout(spec)
         self.spec = rank_spec(spec, layout)
-        self.model = LlamaModel(spec, max_positions, tp, linear_method)
+        self.model = LlamaModel(spec, max_positions, tp, linear_method, self.attention)
         self.lm_head = ParallelLMHead(layout, spec.hidden_size, tp)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 
 from common.model.attention.base import ForwardContext
+from common.model.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from common.model.distributed import TPGroup
 from common.model.layers.vocab import ParallelLMHead
 from common.model.llama import LlamaForCausalLM
@@ -50,6 +51,8 @@ MODELS: dict[str, type[CausalLM]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": LlamaForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 

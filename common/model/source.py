@@ -82,6 +82,24 @@ _STATED_KEYS = (
     "tie_word_embeddings",
     "eos_token_id",  # LlamaConfig's default is 2
 )
+# DeepSeek's config classes default these per version (q_lora_rank 1536; V3's
+# routed_scaling_factor 2.5, norm_topk_prob, first_k_dense_replace 3, n_group 8, ...).
+_DEEPSEEK_STATED_KEYS = (
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "n_shared_experts",
+    "first_k_dense_replace",
+    "routed_scaling_factor",
+    "norm_topk_prob",
+    "n_group",
+    "topk_group",
+)
 
 
 def stated_config(raw: dict[str, Any]) -> SimpleNamespace | None:
@@ -94,6 +112,10 @@ def stated_config(raw: dict[str, Any]) -> SimpleNamespace | None:
     if "rope_theta" not in raw and "rope_theta" not in rope:
         return None
     model_type = raw.get("model_type")
+    if model_type in ("deepseek_v2", "deepseek_v3") and any(
+        key not in raw for key in _DEEPSEEK_STATED_KEYS
+    ):
+        return None
     if model_type == "qwen3" and "head_dim" not in raw:  # Qwen3Config defaults it to 128
         return None
     if model_type == "mistral" and "sliding_window" not in raw:  # MistralConfig: 4096

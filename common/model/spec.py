@@ -8,6 +8,7 @@ a `MoESpec` (Qwen3-MoE, Mixtral, DeepSeek); DeepSeek's multi-head latent attenti
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,8 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
     "Qwen3MoeForCausalLM": {"qkv_bias": False, "qk_norm": True},
     "MixtralForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "DeepseekV2ForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "DeepseekV3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
 }
 MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -29,6 +32,8 @@ MODEL_TYPES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
@@ -118,14 +123,49 @@ class KVCacheGeometry:
         return f"K/V {self.heads} heads x {self.head_dim}"
 
 
+ROPE_TYPES = ("default", "llama3", "yarn")
+
+
 @dataclass(frozen=True)
 class RopeSpec:
+    """Rotary embedding: `theta`, and the scaling of `rope_type` with its parameters.
+
+    llama3 uses `factor`, the two `*_freq_factor`s and `original_max_position`. yarn (DeepSeek)
+    blends interpolated and original frequencies between the `beta_fast` and `beta_slow`
+    rotation counts and scales cos/sin by `attention_factor` (None: derived from `factor`,
+    `mscale` and `mscale_all_dim` as transformers does). `interleaved`: rotary pairs are
+    adjacent values (x0, x1), (x2, x3), ... (DeepSeek) instead of the two halves (Neox)."""
+
     theta: float
-    rope_type: str = "default"  # "default" or "llama3"
+    rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0  # 0: not stated
+    mscale_all_dim: float = 0.0  # 0: not stated
+    attention_factor: float | None = None
+    truncate: bool = True
+    interleaved: bool = False
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """What yarn multiplies cos and sin by (so q.k by its square); 1.0 otherwise."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(
+                self.factor, self.mscale_all_dim
+            )
+        return yarn_mscale(self.factor)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclass(frozen=True)
@@ -166,6 +206,22 @@ class ModelSpec:
             return KVCacheGeometry(1, 1, self.mla.cache_dim)
         return KVCacheGeometry(2, self.num_kv_heads, self.head_dim)
 
+    @property
+    def rotary_dim(self) -> int:
+        """Values of each query and key head the rotary embedding turns (MLA: its rope part)."""
+        return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale: head_dim^-0.5; MLA's is qk_head_dim^-0.5 (`head_dim` here),
+        times yarn's mscale(factor, mscale_all_dim)^2 under a scaled rope (as DeepSeek's
+        reference code does, so long-context logits keep their temperature)."""
+        scale = self.head_dim**-0.5
+        rope = self.rope
+        if self.mla is not None and rope.rope_type != "default" and rope.mscale_all_dim:
+            scale *= yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
+        return scale
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         g = self.kv_cache_geometry
         return g.planes * self.num_layers * g.heads * g.head_dim * dtype_bytes
@@ -204,7 +260,7 @@ class ModelSpec:
             num_kv_heads=1 if arch in DEEPSEEK else kv_heads,
             head_dim=head_dim,
             rms_norm_eps=config.rms_norm_eps,
-            rope=_rope_spec(config),
+            rope=_rope_spec(config, arch),
             max_position_embeddings=config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=flags["qkv_bias"] or bool(getattr(config, "attention_bias", False)),
@@ -291,7 +347,7 @@ def _as_id_tuple(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _rope_spec(config: Any) -> RopeSpec:
+def _rope_spec(config: Any, arch: str = "") -> RopeSpec:
     # transformers >= 5 folds everything into `rope_parameters`; older configs use
     # `rope_theta` plus an optional `rope_scaling` dict.
     params = dict(getattr(config, "rope_parameters", None) or {})
@@ -299,13 +355,38 @@ def _rope_spec(config: Any) -> RopeSpec:
     merged = {**scaling, **params}
     theta = merged.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
-    if rope_type not in ("default", "llama3"):
-        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+    # DeepSeek-V2 rotates adjacent pairs; V3 too unless its config turns `rope_interleave` off.
+    interleaved = arch == "DeepseekV2ForCausalLM" or (
+        arch == "DeepseekV3ForCausalLM" and getattr(config, "rope_interleave", True) is not False
+    )
+    if rope_type != "yarn":
+        return RopeSpec(
+            theta=float(theta),
+            rope_type=rope_type,
+            factor=float(merged.get("factor", 1.0)),
+            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+            original_max_position=int(merged.get("original_max_position_embeddings", 8192)),
+            mscale_all_dim=float(merged.get("mscale_all_dim") or 0.0),
+            interleaved=interleaved,
+        )
+    # yarn's defaults as transformers fills them: the pre-training length is the model's
+    # unless stated, and a missing factor is the ratio of the two.
+    original = int(merged.get("original_max_position_embeddings") or config.max_position_embeddings)
+    factor = merged.get("factor") or config.max_position_embeddings / original
+    attention_factor = merged.get("attention_factor")
     return RopeSpec(
         theta=float(theta),
         rope_type=rope_type,
-        factor=float(merged.get("factor", 1.0)),
-        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position=int(merged.get("original_max_position_embeddings", 8192)),
+        factor=float(factor),
+        original_max_position=original,
+        beta_fast=float(merged.get("beta_fast") or 32.0),
+        beta_slow=float(merged.get("beta_slow") or 1.0),
+        mscale=float(merged.get("mscale") or 0.0),
+        mscale_all_dim=float(merged.get("mscale_all_dim") or 0.0),
+        attention_factor=None if attention_factor is None else float(attention_factor),
+        truncate=bool(merged.get("truncate", True)),
+        interleaved=interleaved,
     )

@@ -121,7 +121,7 @@ class DraftModelProposer:
         kv = KVCache.allocate(spec, num_blocks, block_size, dtype, device)
         log.info("draft model %s: %d layers, KV pool of %d blocks", source.name, spec.num_layers,
                  num_blocks)  # fmt: skip
-        return cls(model, ProposerPool(kv, backend, device, spec.head_dim))
+        return cls(model, ProposerPool(kv, backend, device, spec.attention_scale))
 
     def release(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -131,7 +131,7 @@ class DraftModelProposer:
         decode graph rows); on CPU their buffers only, replays run eagerly. Returns bytes."""
         model, pool = self.model, self.pool
         self.graphs = DecodeGraphs(model, pool.backend, pool.kv_cache, max_rows, max_model_len,
-                                   model.spec.head_dim**-0.5)  # fmt: skip
+                                   model.spec.attention_scale)  # fmt: skip
         self._arange = torch.arange(self.graphs.max_batch, device=pool.device)
         return self.graphs.capture()
 

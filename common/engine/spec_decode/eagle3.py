@@ -132,7 +132,7 @@ class Eagle3Proposer:
         kv = KVCache.allocate(layer, num_blocks, block_size, dtype, device)
         log.info("EAGLE-3 head %s reads target layers %s", source.name,
                  target.model.aux_hidden_layers)  # fmt: skip
-        return cls(head, ProposerPool(kv, backend, device, layer.head_dim))
+        return cls(head, ProposerPool(kv, backend, device, layer.attention_scale))
 
     def release(self, request_id: str) -> None:
         self._states.pop(request_id, None)

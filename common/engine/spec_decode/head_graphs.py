@@ -69,7 +69,7 @@ class HeadGraphs:
             max_seq_len=self.max_model_len,
         )
         ctx = ForwardContext(self.pool.backend, metadata, kv.k_caches, kv.v_caches,
-                             self.pool.head_dim**-0.5, **kv.context_kwargs())  # fmt: skip
+                             self.pool.scale, **kv.context_kwargs())  # fmt: skip
         normed, prenorm = self.head(v[0, :bs], v[1, :bs], self.hidden[:bs], ctx)
         self.prenorm[:bs].copy_(prenorm)
         draft = self.head.compute_logits(normed).argmax(dim=-1)

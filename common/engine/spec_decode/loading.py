@@ -102,7 +102,7 @@ def assemble(
 ) -> Proposer:
     """The proposer, with a pool of the target's `num_blocks` blocks of `block_size`."""
     kv = KVCache.allocate(weights.kv_spec, num_blocks, block_size, dtype, device)
-    pool = ProposerPool(kv, backend, device, weights.kv_spec.head_dim)
+    pool = ProposerPool(kv, backend, device, weights.kv_spec.attention_scale)
     if weights.method == "draft":
         return DraftModelProposer(weights.model, pool)
     return Eagle3Proposer(weights.model, pool)

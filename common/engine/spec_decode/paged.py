@@ -121,7 +121,7 @@ class ProposerPool:
     kv_cache: KVCache
     backend: AttentionBackend
     device: torch.device
-    head_dim: int
+    scale: float  # the softmax scale (`ModelSpec.attention_scale`)
 
     def inputs(self, rows: PagedRows) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
         """(input ids, positions, context) of one eager forward over `rows`."""
@@ -131,7 +131,7 @@ class ProposerPool:
             rows.metadata(self.device),
             kv.k_caches,
             kv.v_caches,
-            self.head_dim**-0.5,
+            self.scale,
             **kv.context_kwargs(),
         )
         ids = to_device(rows.input_ids, torch.int64, self.device)

@@ -5,10 +5,19 @@ step's new tokens flattened (`[num_tokens, heads, head_dim]`). The backend write
 the paged cache at `slot_mapping` and returns attention over each sequence's whole context
 (cached prefix + earlier chunks + these tokens), causal within the new tokens.
 
+Multi-head latent attention (DeepSeek's MLA) goes through `ForwardContext.latent_attention`
+instead: the layer's cache holds one row per token, `[latent | k_pe]` (kv_lora_rank +
+qk_rope_head_dim values, one "head" every query head reads). The backend writes the new rows
+at `slot_mapping` and returns each query head's attention output in value space. Decode runs
+the absorbed form: the key projection is folded into the query (`LatentProjection.absorb`),
+attention runs over the latent rows themselves, the value projection is applied after
+(`LatentProjection.expand`). Prefill gets the unabsorbed query and the projection, so a
+backend may run it absorbed (as the torch and triton backends do) or rebuild K and V.
+
 FP8 KV: a `torch.float8_e4m3fn` cache stores `clamp(x / scale, -448, 448)` rounded to nearest
 even (`common.model.quantization.fp8_ops.quantize`) and reads as `stored.float() * scale`, with
-one K and one V scale per layer (plain floats, fixed for the process, so CUDA graphs bake
-them). Caches of any other dtype ignore the scales.
+one K and one V scale per layer (MLA: one latent scale), plain floats fixed for the process, so
+CUDA graphs bake them. Caches of any other dtype ignore the scales.
 """
 
 from __future__ import annotations
@@ -54,6 +63,25 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+@dataclass(frozen=True)
+class LatentProjection:
+    """One MLA layer's `kv_b_proj`, per query head: `w_uk` [heads, qk_nope_head_dim,
+    kv_lora_rank] rebuilds the non-rotary key from the latent, `w_uv` [heads, v_head_dim,
+    kv_lora_rank] the value."""
+
+    w_uk: torch.Tensor
+    w_uv: torch.Tensor
+
+    def absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_nope [T, heads, qk_nope] -> [T, heads, kv_lora_rank]: its dot with a latent row
+        is its dot with that row's key."""
+        return torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+
+    def expand(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention over latent rows [T, heads, kv_lora_rank] -> over values [T, heads, v]."""
+        return torch.bmm(out.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)
+
+
 class AttentionBackend(Protocol):
     """One implementation per kernel family (torch reference, triton, flash_attn)."""
 
@@ -70,6 +98,19 @@ class AttentionBackend(Protocol):
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+    ) -> torch.Tensor: ...
+
+    def latent_forward(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent: torch.Tensor,
+        k_pe: torch.Tensor,
+        proj: LatentProjection,
+        cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        kv_scale: float = 1.0,
     ) -> torch.Tensor: ...
 
 
@@ -98,6 +139,46 @@ class DecodeOrPrefillBackend:
             return self.decode(q, k_cache, v_cache, metadata, scale, k_scale, v_scale)
         return self.prefill(q, k_cache, v_cache, metadata, scale, k_scale, v_scale)
 
+    def latent_forward(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent: torch.Tensor,
+        k_pe: torch.Tensor,
+        proj: LatentProjection,
+        cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        kv_scale: float = 1.0,
+    ) -> torch.Tensor:
+        """MLA (contract in the module docstring): q_nope [T, heads, qk_nope], q_pe [T, heads,
+        rope], latent [T, kv_lora_rank], k_pe [T, rope], cache [blocks + 1, block_size, 1,
+        kv_lora_rank + rope] -> [T, heads, v_head_dim], padding rows zeroed."""
+        self.write_latent(latent, k_pe, cache, metadata.slot_mapping, kv_scale)
+        if metadata.is_decode_only:
+            out = self.latent_decode(proj.absorb(q_nope), q_pe, cache, metadata, scale, kv_scale)
+            return proj.expand(out)
+        return self.latent_prefill(q_nope, q_pe, proj, cache, metadata, scale, kv_scale)
+
+    def write_latent(
+        self, latent, k_pe, cache, slots: torch.Tensor, kv_scale: float = 1.0
+    ) -> None:  # fmt: skip
+        raise NotImplementedError
+
+    def latent_decode(
+        self, q_abs, q_pe, cache, metadata: AttentionMetadata, scale: float,
+        kv_scale: float = 1.0,
+    ):  # fmt: skip
+        """Absorbed queries [T, heads, kv_lora_rank] -> [T, heads, kv_lora_rank]."""
+        raise NotImplementedError
+
+    def latent_prefill(
+        self, q_nope, q_pe, proj: LatentProjection, cache, metadata: AttentionMetadata,
+        scale: float, kv_scale: float = 1.0,
+    ):  # fmt: skip
+        """Unabsorbed queries -> [T, heads, v_head_dim] (the seam of a decompressing prefill)."""
+        raise NotImplementedError
+
     def write_kv(
         self, k, v, k_cache, v_cache, slots: torch.Tensor, k_scale: float = 1.0,
         v_scale: float = 1.0,
@@ -122,7 +203,8 @@ class ForwardContext:
 
     `on_layer_done(layer)` (optional) runs after a layer's KV is in the cache; the prefill
     node uses it to ship that layer while the next ones compute. `k_scales`/`v_scales` hold
-    one FP8 scale per layer; None means 1.0 for every layer.
+    one FP8 scale per layer; None means 1.0 for every layer. An MLA pool passes its per-layer
+    `latent_caches` (and `latent_scales`) instead of K/V caches (empty lists).
     """
 
     def __init__(
@@ -135,10 +217,15 @@ class ForwardContext:
         on_layer_done: Callable[[int], None] | None = None,
         k_scales: Sequence[float] | None = None,
         v_scales: Sequence[float] | None = None,
+        latent_caches: list[torch.Tensor] | None = None,
+        latent_scales: Sequence[float] | None = None,
     ) -> None:
-        for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
-            if scales is not None and len(scales) != len(k_caches):
-                raise ValueError(f"{name} has {len(scales)} entries for {len(k_caches)} layers")
+        num_layers = len(k_caches) if latent_caches is None else len(latent_caches)
+        for name, scales in (
+            ("k_scales", k_scales), ("v_scales", v_scales), ("latent_scales", latent_scales)
+        ):  # fmt: skip
+            if scales is not None and len(scales) != num_layers:
+                raise ValueError(f"{name} has {len(scales)} entries for {num_layers} layers")
         self.backend = backend
         self.metadata = metadata
         self.k_caches = k_caches
@@ -147,6 +234,8 @@ class ForwardContext:
         self.on_layer_done = on_layer_done
         self.k_scales = k_scales
         self.v_scales = v_scales
+        self.latent_caches = latent_caches
+        self.latent_scales = latent_scales
 
     def attention(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -156,6 +245,27 @@ class ForwardContext:
         out = self.backend.forward(
             q, k, v, self.k_caches[layer], self.v_caches[layer], self.metadata, self.scale,
             k_scale, v_scale,
+        )  # fmt: skip
+        if self.on_layer_done is not None:
+            self.on_layer_done(layer)
+        return out
+
+    def latent_attention(
+        self,
+        layer: int,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent: torch.Tensor,
+        k_pe: torch.Tensor,
+        proj: LatentProjection,
+    ) -> torch.Tensor:
+        """MLA's counterpart of `attention` (module docstring): [T, heads, v_head_dim]."""
+        if self.latent_caches is None:
+            raise ValueError("latent attention needs an MLA KV pool; this one holds K and V")
+        kv_scale = 1.0 if self.latent_scales is None else self.latent_scales[layer]
+        out = self.backend.latent_forward(
+            q_nope, q_pe, latent, k_pe, proj, self.latent_caches[layer], self.metadata,
+            self.scale, kv_scale,
         )  # fmt: skip
         if self.on_layer_done is not None:
             self.on_layer_done(layer)

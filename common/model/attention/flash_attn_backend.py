@@ -7,7 +7,8 @@ only: CUDA-graph safe). FA2's paged kernels need a page size that is a multiple 
 `REQUIRED_BLOCK_SIZE_MULTIPLE`; `check_block_size` rejects others so the worker can pick a
 larger page. FA4 (`flash_attn.cute`): one varlen call with `page_table` and `seqused_k` for both.
 Neither paged API reads our FP8 cache layout with per-layer scales: FP8 KV is refused
-(`check_kv_dtype`), and `auto` picks triton for it.
+(`check_kv_dtype`), and `auto` picks triton for it. Neither has DeepSeek's latent attention
+(`check_latent`): MLA models run on triton.
 """
 
 from __future__ import annotations
@@ -41,6 +42,17 @@ def check_kv_dtype(kv_dtype: torch.dtype | None) -> None:
             f"the flash_attn attention backend cannot read a {kv_dtype} (FP8) KV cache; "
             "use --attention-backend triton or torch, or --kv-cache-dtype auto"
         )
+
+
+NO_LATENT = (
+    "the flash_attn attention backend has no multi-head latent attention (DeepSeek MLA) path; "
+    "use --attention-backend triton or torch"
+)
+
+
+def check_latent(latent: bool) -> None:
+    if latent:
+        raise ValueError(NO_LATENT)
 
 
 class FlashAttnBackend:
@@ -112,3 +124,6 @@ class FlashAttnBackend:
             causal=True,
             block_table=metadata.block_tables,
         )
+
+    def latent_forward(self, *args, **kwargs) -> torch.Tensor:
+        raise ValueError(NO_LATENT)

@@ -10,18 +10,25 @@ from common.model.attention.flash_attn_backend import (
     REQUIRED_BLOCK_SIZE_MULTIPLE,
     check_block_size,
     check_kv_dtype,
+    check_latent,
     flash_attn_available,
 )
 
 
 def choose_backend(
-    name: str, device: torch.device, block_size: int, kv_dtype: torch.dtype | None = None
+    name: str,
+    device: torch.device,
+    block_size: int,
+    kv_dtype: torch.dtype | None = None,
+    latent: bool = False,
 ) -> tuple[str, str]:
     """Return (backend name, reason). Explicit names are returned as given. `kv_dtype` is the
-    KV cache's dtype when known: an FP8 cache rules flash_attn out."""
+    KV cache's dtype when known: an FP8 cache rules flash_attn out, as does `latent` (the
+    model's attention is DeepSeek's MLA)."""
     kv_fp8 = kv_dtype == torch.float8_e4m3fn
     if name == "flash_attn":
         check_kv_dtype(kv_dtype)
+        check_latent(latent)
         if not flash_attn_available():
             raise ValueError(
                 "--attention-backend flash_attn needs the flash_attn package and a CUDA GPU"
@@ -31,10 +38,11 @@ def choose_backend(
         return name, "requested"
     if device.type != "cuda":
         return "torch", "CPU device: the torch reference backend"
-    if kv_fp8:
+    if kv_fp8 or latent:
+        what = "FP8 KV cache" if kv_fp8 else "latent attention (MLA)"
         if importlib.util.find_spec("triton") is not None:
-            return "triton", "FP8 KV cache: triton kernels (flash_attn cannot read it)"
-        return "torch", "FP8 KV cache and triton not importable: the torch reference backend"
+            return "triton", f"{what}: triton kernels (flash_attn has no path for it)"
+        return "torch", f"{what} and triton not importable: the torch reference backend"
     if flash_attn_available() and block_size % REQUIRED_BLOCK_SIZE_MULTIPLE == 0:
         return "flash_attn", "flash_attn is installed and the page size suits it"
     if importlib.util.find_spec("triton") is not None:

@@ -3,6 +3,8 @@
 Decode-only batches gather every sequence's blocks into one padded tensor; batches with
 prefill tokens loop over sequences with an explicit causal mask offset by the cached context.
 An FP8 cache (contract in `base`) is dequantized to fp32 after the gather and attended in fp32.
+MLA runs the absorbed form in fp32 for decode and prefill alike: a query row is
+[q_nope W_UK | q_pe] against cached [latent | k_pe] rows, the values are the latents.
 """
 
 from __future__ import annotations
@@ -10,7 +12,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.model.attention.base import AttentionMetadata, DecodeOrPrefillBackend
+from common.model.attention.base import (
+    AttentionMetadata,
+    DecodeOrPrefillBackend,
+    LatentProjection,
+)
 from common.model.quantization.fp8_ops import FP8, quantize
 
 
@@ -26,19 +32,35 @@ def write_kv(
     """Scatter new k/v rows into the paged cache. Slots must be valid (padding rows use the
     pool's padding slot), which keeps this free of host syncs and safe to capture. An FP8 cache
     gets `fp8_ops.quantize` of the rows; other caches a cast, the scales ignored."""
-    for rows, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
-        flat = cache.view(cache.shape[0] * cache.shape[1], *cache.shape[2:])
-        if cache.dtype == FP8:
-            if not scale > 0:
-                raise ValueError(f"FP8 KV scales must be positive, got {k_scale}, {v_scale}")
-            # index_copy_ has no fp8 kernel on CPU; the bytes are the same through uint8. The
-            # scale is a device tensor because CUDA divides by a host scalar as a multiply by
-            # its reciprocal, which is not always the correctly rounded quotient.
-            divisor = torch.full((), scale, dtype=torch.float32, device=rows.device)
-            values = quantize(rows, divisor).view(torch.uint8)
-            flat.view(torch.uint8).index_copy_(0, slots, values)
-        else:
-            flat.index_copy_(0, slots, rows.to(cache.dtype))
+    write_rows(k, k_cache, slots, k_scale)
+    write_rows(v, v_cache, slots, v_scale)
+
+
+def write_latent(
+    latent: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    kv_scale: float = 1.0,
+) -> None:
+    """MLA: rows `[latent | k_pe]` ([T, kv_lora_rank], [T, rope]) into the one-plane cache, as
+    `write_kv` writes K."""
+    write_rows(torch.cat((latent, k_pe), dim=-1).unsqueeze(1), cache, slots, kv_scale)
+
+
+def write_rows(rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, scale: float) -> None:
+    flat = cache.view(cache.shape[0] * cache.shape[1], *cache.shape[2:])
+    if cache.dtype == FP8:
+        if not scale > 0:
+            raise ValueError(f"FP8 KV scales must be positive, got {scale}")
+        # index_copy_ has no fp8 kernel on CPU; the bytes are the same through uint8. The
+        # scale is a device tensor because CUDA divides by a host scalar as a multiply by
+        # its reciprocal, which is not always the correctly rounded quotient.
+        divisor = torch.full((), scale, dtype=torch.float32, device=rows.device)
+        values = quantize(rows, divisor).view(torch.uint8)
+        flat.view(torch.uint8).index_copy_(0, slots, values)
+    else:
+        flat.index_copy_(0, slots, rows.to(cache.dtype))
 
 
 def dequantize(rows: torch.Tensor, scale: float) -> torch.Tensor:
@@ -58,6 +80,7 @@ class TorchAttentionBackend(DecodeOrPrefillBackend):
     name = "torch"
 
     write_kv = staticmethod(write_kv)
+    write_latent = staticmethod(write_latent)
 
     def decode(
         self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float,
@@ -109,3 +132,46 @@ class TorchAttentionBackend(DecodeOrPrefillBackend):
         if start < q.shape[0]:
             out[start:] = 0
         return out
+
+    def latent_decode(
+        self, q_abs, q_pe, cache, metadata: AttentionMetadata, scale: float,
+        kv_scale: float = 1.0,
+    ):  # fmt: skip
+        num_seqs = metadata.num_seqs
+        block_size = cache.shape[1]
+        max_blocks = (metadata.max_seq_len + block_size - 1) // block_size
+        tables = metadata.block_tables[:num_seqs, :max_blocks].long()
+        rows = dequantize(cache[tables].flatten(1, 3), kv_scale).float()  # [B, S, latent+rope]
+        query = torch.cat((q_abs[:num_seqs], q_pe[:num_seqs]), dim=-1).float()
+        scores = torch.einsum("bhd,bsd->bhs", query, rows) * scale
+        positions = torch.arange(rows.shape[1], device=q_abs.device)
+        valid = positions[None, :] < metadata.seq_lens[:num_seqs, None]
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        latent = rows[..., : q_abs.shape[-1]]
+        out = torch.zeros_like(q_abs)
+        out[:num_seqs] = torch.einsum("bhs,bsl->bhl", scores.softmax(-1), latent).to(q_abs.dtype)
+        return out
+
+    def latent_prefill(
+        self, q_nope, q_pe, proj: LatentProjection, cache, metadata: AttentionMetadata,
+        scale: float, kv_scale: float = 1.0,
+    ):  # fmt: skip
+        q_abs = proj.absorb(q_nope)
+        out = torch.zeros(q_abs.shape, dtype=q_abs.dtype, device=q_abs.device)
+        start = 0
+        for i, (q_len, ctx_len) in enumerate(
+            zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True)
+        ):
+            rows = gather_context(cache, metadata.block_tables[i], ctx_len).flatten(1)
+            rows = dequantize(rows, kv_scale).float()  # [ctx_len, latent + rope]
+            part = slice(start, start + q_len)
+            query = torch.cat((q_abs[part], q_pe[part]), dim=-1).float()
+            scores = torch.einsum("qhd,sd->hqs", query, rows) * scale
+            # Query j sits at absolute position ctx_len - q_len + j and sees keys up to it.
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q_abs.device)
+            k_pos = torch.arange(ctx_len, device=q_abs.device)
+            scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+            latent = rows[:, : q_abs.shape[-1]]
+            out[part] = torch.einsum("hqs,sl->qhl", scores.softmax(-1), latent).to(out.dtype)
+            start += q_len
+        return proj.expand(out)

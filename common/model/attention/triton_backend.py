@@ -8,13 +8,19 @@ shape (the warm-up before capture) and reused by every later call and replay, so
 allocates nothing. Calls run in stream order, so one buffer serves every layer. FP8 caches
 (contract in `base`) are written and read by the same kernels with the layer's scales.
 `metadata.decode_groups` makes a verify step's rows of one sequence read its KV once.
+MLA runs `common.model.kernels.mla_attention` (absorbed decode and prefill, imported on first
+use); its decode keeps split scratch buffers under the same contract.
 """
 
 from __future__ import annotations
 
 import torch
 
-from common.model.attention.base import AttentionMetadata, DecodeOrPrefillBackend
+from common.model.attention.base import (
+    AttentionMetadata,
+    DecodeOrPrefillBackend,
+    LatentProjection,
+)
 from common.model.kernels.fused_ops import write_kv
 from common.model.kernels.paged_attention import (
     DecodeScratch,
@@ -92,3 +98,48 @@ class TritonAttentionBackend(DecodeOrPrefillBackend):
             v_scale=v_scale,
         )
         return out
+
+    @staticmethod
+    def write_latent(latent, k_pe, cache, slots: torch.Tensor, kv_scale: float = 1.0) -> None:
+        from common.model.kernels import mla_attention
+
+        mla_attention.write_latent(latent, k_pe, cache, slots, kv_scale)
+
+    def latent_decode(
+        self, q_abs, q_pe, cache, metadata: AttentionMetadata, scale: float,
+        kv_scale: float = 1.0,
+    ):  # fmt: skip
+        from common.model.kernels import mla_attention
+
+        out = torch.empty(q_abs.shape, dtype=q_abs.dtype, device=q_abs.device)
+        num_seqs = min(q_abs.shape[0], metadata.seq_lens.shape[0])
+        if num_seqs < q_abs.shape[0]:  # query rows without a sequence
+            out[num_seqs:].zero_()
+        heads, rank, device = q_abs.shape[1], q_abs.shape[2], q_abs.device
+        splits = mla_attention.mla_decode_splits(num_seqs, heads, device, metadata.max_seq_len)
+        key = (num_seqs, heads, splits, rank, device)
+        scratch = self._scratch.get(key)
+        if scratch is None:
+            scratch = self._scratch[key] = mla_attention.mla_decode_scratch(
+                num_seqs, heads, rank, device, metadata.max_seq_len
+            )
+        mla_attention.paged_mla_decode(
+            q_abs[:num_seqs], q_pe[:num_seqs], cache, metadata.block_tables, metadata.seq_lens,
+            scale, kv_scale, out[:num_seqs], scratch=scratch,
+        )  # fmt: skip
+        return out
+
+    def latent_prefill(
+        self, q_nope, q_pe, proj: LatentProjection, cache, metadata: AttentionMetadata,
+        scale: float, kv_scale: float = 1.0,
+    ):  # fmt: skip
+        from common.model.kernels import mla_attention
+
+        out = mla_attention.paged_mla_prefill(
+            proj.absorb(q_nope), q_pe, cache, metadata.query_start_loc, metadata.seq_lens,
+            metadata.block_tables, metadata.max_query_len, scale, kv_scale,
+        )  # fmt: skip
+        num_tokens = sum(metadata.query_lens_cpu)
+        if num_tokens < out.shape[0]:  # padding tokens after the last sequence: not written
+            out[num_tokens:].zero_()
+        return proj.expand(out)

@@ -56,6 +56,8 @@ def rope_inv_freq(head_dim: int, rope: RopeSpec) -> torch.Tensor:
     )
     if rope.rope_type == "llama3":
         inv_freq = _llama3_scale(inv_freq, rope)
+    elif rope.rope_type == "yarn":
+        inv_freq = _yarn_scale(inv_freq, head_dim, rope)
     return inv_freq
 
 
@@ -73,17 +75,52 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeSpec) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+def _yarn_scale(inv_freq: torch.Tensor, head_dim: int, rope: RopeSpec) -> torch.Tensor:
+    # YaRN: dimensions that turn more than `beta_fast` times over the pre-training length keep
+    # their frequency, those under `beta_slow` turns are divided by `factor`, a linear ramp
+    # in between.
+    def turns_to_dim(turns: float) -> float:
+        wavelengths = rope.original_max_position / (turns * 2 * math.pi)
+        return head_dim * math.log(wavelengths) / (2 * math.log(rope.theta))
+
+    low, high = turns_to_dim(rope.beta_fast), turns_to_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    interpolated = 1.0 / (rope.factor * rope.theta**exponents)
+    return interpolated * (1 - keep) + inv_freq * keep
+
+
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate halves) with a precomputed cos/sin table."""
+    """Rotary embedding with a precomputed cos/sin table (yarn's `cos_sin_scale` folded in).
+
+    Neox style rotates the halves of each head. `rope.interleaved` rotates adjacent pairs:
+    the pairs are first gathered into halves, so the result is laid out as Neox's (the even
+    members' outputs, then the odd ones'). q and k get the same layout, so every q.k equals
+    that of the interleaved rotation; nothing else reads these values."""
 
     def __init__(self, head_dim: int, max_positions: int, rope: RopeSpec) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, rope)
         t = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        scale = rope.cos_sin_scale
+        self.register_buffer("cos", freqs.cos() * scale, persistent=False)
+        self.register_buffer("sin", freqs.sin() * scale, persistent=False)
+        self.interleaved = rope.interleaved
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """Returns the rotated (q, k); on CUDA they are rotated in place (`ops.apply_rotary`)."""
+        """Returns the rotated (q, k); on CUDA they are rotated in place (`ops.apply_rotary`),
+        unless interleaved (rotated copies)."""
+        if self.interleaved:
+            q, k = _pairs_to_halves(q), _pairs_to_halves(k)
         return ops.apply_rotary(q, k, positions, self.cos, self.sin)
+
+
+def _pairs_to_halves(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
