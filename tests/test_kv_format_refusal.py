@@ -40,7 +40,17 @@ from tests.router_fakes import LoopbackNodes, ManualClock, generation_script, he
 from tests.test_router_api_errors import assert_openai_error, call
 
 P, P2, D = "tcp://127.0.0.1:5601", "tcp://127.0.0.1:5602", "tcp://127.0.0.1:5701"
-F32 = KVFormat("float32", "none", "none", 30, 3, 64, 16)
+F32 = KVFormat(
+    kv_dtype="float32",
+    kv_scales="none",
+    quantization="none",
+    architecture="Qwen2ForCausalLM",
+    num_layers=30,
+    planes=2,
+    num_kv_heads=3,
+    head_dim=64,
+    block_size=16,
+)
 FP8 = dataclasses.replace(F32, kv_dtype="float8_e4m3fn", kv_scales="all 1.0")
 PROMPT = list(range(10, 50))
 
