@@ -50,7 +50,7 @@ class PoolExport:
     pid: int
     device_uuid: str
     dtype: str  # str(torch dtype)
-    shape: list[int]  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    shape: list[int]  # [num_layers, planes, num_blocks, block_size, heads, head_dim]
     stride: list[int]
     storage_offset: int  # elements
     # The fields of `torch.UntypedStorage._share_cuda_()`, in its order (the device index is
@@ -213,8 +213,9 @@ def open_pool(export: PoolExport, local_pool: torch.Tensor) -> OpenedPool:
         raise IpcUnavailable(f"the receiver runs on another host ({export.host_id})")
     if local_pool.device.type != "cuda":
         raise IpcUnavailable(f"the local pool is on {local_pool.device.type}, not a GPU")
-    local_layout = [str(local_pool.dtype), local_pool.shape[0], *local_pool.shape[3:]]
-    remote_layout = [export.dtype, *export.shape[:1], *export.shape[3:]]
+    # Everything but the block count: planes included (a latent pool is not half a K/V one).
+    local_layout = [str(local_pool.dtype), *local_pool.shape[:2], *local_pool.shape[3:]]
+    remote_layout = [export.dtype, *export.shape[:2], *export.shape[3:]]
     if len(export.shape) != local_pool.dim() or remote_layout != local_layout:
         raise IpcUnavailable(
             f"pool layouts differ: receiver {export.dtype} {export.shape}, "

@@ -14,6 +14,12 @@ command with the payload), which write the heads theirs hold, before the ledger 
 frame. The transfer is DONE only when every head of every layer arrived from every sender
 (`ReceiverLedger`), so the decode node never runs on a half-written block, whatever P and D.
 
+MLA's latent cache (planes 1; `TPLayout` of one KV head, which every rank holds whole): prefill
+rank 0 alone ships it, as one frame per layer; decode rank 0 writes it and hands the whole
+frame to every other rank. Per token that is 576 x num_layers x itemsize bytes on the wire
+once (DeepSeek-V2-Lite, bf16: 27 layers, 30.4 KiB), and the same bytes written into each of the D
+decode ranks' pools (D - 1 of them through one broadcast over the device group).
+
 cuda_ipc between tensor-parallel nodes (each prefill rank writing straight into the decode
 ranks' pools) is not implemented: nodes of more than one rank refuse it at start.
 """
