@@ -83,6 +83,21 @@ def test_no_prefill_node_of_the_decode_nodes_kv_format_is_a_503_naming_both(rout
     assert link.sent == []  # nothing reached a node: nothing to free
 
 
+def test_a_latent_cache_prefill_node_and_a_kv_decode_node_are_a_503_naming_both_geometries(
+    router,
+):
+    app, link = router
+    latent = dataclasses.replace(
+        F32, architecture="DeepseekV2ForCausalLM", planes=1, num_kv_heads=1, head_dim=576
+    )
+    beat(app, P, "prefill", latent)
+    beat(app, D, "decode", F32)
+    message = assert_openai_error(call(app, "POST", "/v1/completions", {"prompt": "a"}), 503)
+    assert "architecture DeepseekV2ForCausalLM (prefill) vs Qwen2ForCausalLM (decode)" in message
+    assert "cache geometry latent 1 x 576 (prefill) vs K/V 3 heads x 64 (decode)" in message
+    assert link.sent == []
+
+
 def test_requests_go_only_to_the_prefill_node_of_the_decode_nodes_kv_format(router):
     app, link = router
     beat(app, P, "prefill", FP8)
