@@ -14,6 +14,10 @@ Ownership: the prefill node keeps its source blocks until its sender reports the
 terminal (or `abort()` returned), then frees them. The decode node frees its reserved blocks
 when its receiver reports FAILED or after `cancel()`; on DONE they belong to the request.
 
+A pool is `[num_layers, planes, num_blocks, block_size, heads, head_dim]`: K and V (planes 2)
+or MLA's one latent plane (planes 1); every transport moves whole blocks of every plane as
+bytes (kv_transfer.pool_io).
+
 Transports (`TRANSPORTS`): "zmq" (across hosts), "cuda_ipc" (one host, straight into the decode
 GPU's pool), "nixl" (NIXL WRITEs, any host) and "loopback" (in-process, tests). The state
 machine, frames and ledgers import no torch; the transports are loaded on first use.

@@ -42,6 +42,10 @@ class Transfer:
     deadline: float  # time.monotonic() value after which the transfer fails
     state: TransferState = TransferState.PENDING
     layers_done: int = 0  # layers sent (sender) or written into the pool (receiver)
+    # KV bytes moved so far, whole blocks (a block's unused slots too): sender, what left its
+    # pool; receiver, the layer payloads that arrived (every head, also those a TP rank 0
+    # forwards), or for a sender that wrote the pool itself, the blocks' bytes once complete.
+    nbytes: int = 0
     error: str | None = None
     # receiver: FAILED because the sending node ended the request and has answered the router
     # itself (a first token that finished it, the router's abort, its own error): the
@@ -113,7 +117,8 @@ class KVSender(ABC):
 
     @abstractmethod
     def __init__(self, pool: torch.Tensor, config: TransferConfig) -> None:
-        """`pool` is the prefill node's KV pool, [num_layers, 2, num_blocks, block_size, heads, dim]."""
+        """`pool` is the prefill node's KV pool, `[num_layers, planes, num_blocks, block_size,
+        heads, head_dim]` (kv_transfer.pool_io); ValueError for any other shape."""
 
     @abstractmethod
     def begin(
@@ -128,7 +133,8 @@ class KVSender(ABC):
 
     @abstractmethod
     def send_layer(self, request_id: str, layer: int) -> None:
-        """Ship one layer's K and V of the request's blocks (once per layer, any order).
+        """Ship one layer's planes (K and V, or MLA's latent) of the request's blocks (once per
+        layer, any order).
 
         The layer's KV must be final when this is called. ValueError for an unknown request,
         a layer out of range or sent twice."""
@@ -211,7 +217,8 @@ class KVReceiver(ABC):
 
     @abstractmethod
     def __init__(self, pool: torch.Tensor, config: TransferConfig, bind_address: str) -> None:
-        """`pool` is the decode node's KV pool; bind to `bind_address` at once."""
+        """`pool` is the decode node's KV pool, shaped as a sender's; bind to `bind_address`
+        at once."""
 
     @abstractmethod
     def expect(self, request_id: str, block_ids: list[int]) -> Transfer:

@@ -1,7 +1,8 @@
 """Headers of the frames a sender puts on the wire, with one msgpack codec (no torch).
 
 A header is `{"kind": ..., **fields}`. A "layer" header is followed by one payload frame with
-the layer's K and V of the request's blocks (raw bytes: an FP8 pool's too). A "complete" header
+the layer's planes (K and V, or MLA's latent) of the request's blocks (raw bytes: an FP8
+pool's too). A "complete" header
 with `payload_bytes` > 0 is followed by one raw payload frame of exactly that many bytes (bulk
 data too large for the header, e.g. EAGLE-3 prompt hidden states); otherwise it travels alone,
 as does "abort". A sender's first layer frame of a transfer announces its pool's
@@ -38,7 +39,7 @@ class LayerHeader:
     layer: int
     block_ids: list[int]  # destination blocks, equal to the receiver's reservation
     dtype: str  # str(torch dtype) of the payload, e.g. "torch.bfloat16"
-    shape: list[int]  # [2, len(block_ids), block_size, heads in this frame, head_dim]
+    shape: list[int]  # [planes, len(block_ids), block_size, heads in this frame, head_dim]
     head_start: int = 0  # the model's KV head number of the frame's first head
     # The sender's KVFormat as a dict, on each sender's first layer frame of a transfer only.
     kv_format: dict[str, Any] | None = None

@@ -23,8 +23,7 @@ from kv_transfer.frames import (
     completion_error,
     decode_header,
 )
-from kv_transfer.ledger import ReceiverLedger
-from kv_transfer.pool_io import PoolWriter, write_layer_frame
+from kv_transfer.pool_io import PoolWriter, receiver_ledger, write_layer_frame
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +39,7 @@ class FrameReceiver:
     def __init__(
         self, pool: torch.Tensor, config: TransferConfig, bind_address: str, socket_type: int
     ) -> None:
-        self.ledger = ReceiverLedger(
-            config, num_layers=pool.shape[0], num_blocks=pool.shape[2], num_heads=pool.shape[4]
-        )
+        self.ledger = receiver_ledger(config, pool)
         self.writer = PoolWriter(pool)
         self._ctx = zmq.Context()
         self.sock = self._ctx.socket(socket_type)

@@ -55,7 +55,7 @@ class PoolExport:
     pid: int
     device_uuid: str
     dtype: str  # str(torch dtype)
-    shape: list[int]  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    shape: list[int]  # [num_layers, planes, num_blocks, block_size, heads, head_dim]
     stride: list[int]
     storage_offset: int  # elements
     # The fields of `torch.UntypedStorage._share_cuda_()`, in its order (the device index is
@@ -260,7 +260,8 @@ def open_pool(export: PoolExport, local_pool: torch.Tensor) -> OpenedPool:
         raise IpcUnavailable(f"the receiver runs on another host ({export.host_id})")
     if local_pool.device.type != "cuda":
         raise IpcUnavailable(f"the local pool is on {local_pool.device.type}, not a GPU")
-    # Head counts may differ: a tensor-parallel pool holds a share (the caller maps heads).
+    # Head counts may differ: a tensor-parallel pool holds a share (the caller maps heads);
+    # planes may not (a latent pool is not half a K/V one).
     local_layout = [str(local_pool.dtype), *_per_head(list(local_pool.shape))]
     remote_layout = [export.dtype, *_per_head(export.shape)]
     if len(export.shape) != local_pool.dim() or remote_layout != local_layout:

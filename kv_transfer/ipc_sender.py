@@ -47,7 +47,8 @@ from kv_transfer.ipc_handles import (
     open_pool,
 )
 from kv_transfer.ipc_writer import DirectWriter
-from kv_transfer.ledger import DEADLINE_EXCEEDED, INJECTED_FAILURE, Outgoing, SenderLedger
+from kv_transfer.ledger import DEADLINE_EXCEEDED, INJECTED_FAILURE, Outgoing
+from kv_transfer.pool_io import sender_ledger
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class _DirectJob:
 class CudaIpcSender(KVSender):
     def __init__(self, pool: torch.Tensor, config: TransferConfig) -> None:
         self._pool = pool
-        self._ledger = SenderLedger(config, num_layers=pool.shape[0], num_blocks=pool.shape[2])
+        self._ledger = sender_ledger(config, pool)
         self._linger_ms = round(config.close_linger_s * 1000)
         self._side = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
         self._ctx = zmq.Context()

@@ -1,7 +1,7 @@
 """The cuda_ipc data path: layers of a request, from the local pool into opened remote pools.
 
 One kernel launch per remote pool per call (`common.model.kernels.block_copy`): programs on the
-local GPU read each block's K and V and store them straight into the remote pool, through the
+local GPU read each block's planes (K and V, or MLA's latent) and store them straight into the remote pool, through the
 peer mapping when it lives on another GPU (NVLink or PCIe; `kv_transfer.ipc_handles.open_pool`
 maps it for this GPU). No gather buffer, no staging on the remote GPU, no second pass there, no
 host work per block.

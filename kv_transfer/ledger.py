@@ -123,10 +123,13 @@ class Outgoing:
 class SenderLedger:
     """The sender's side of every transfer; the transport calls it before moving bytes."""
 
-    def __init__(self, config: TransferConfig, num_layers: int, num_blocks: int) -> None:
+    def __init__(
+        self, config: TransferConfig, num_layers: int, num_blocks: int, block_bytes: int = 0
+    ) -> None:
         self.config = config
         self.num_layers = num_layers
         self.num_blocks = num_blocks
+        self.block_bytes = block_bytes  # one block of one layer, every plane (Transfer.nbytes)
         self.table: TransferTable[Outgoing] = TransferTable()
         self._rng = random.Random(config.seed)  # failure injection, deterministic per sender
 
@@ -176,6 +179,7 @@ class SenderLedger:
     def layer_sent(self, entry: Outgoing, layer: int) -> None:
         entry.layers.add(layer)
         entry.transfer.layers_done = len(entry.layers)
+        entry.transfer.nbytes += len(entry.transfer.block_ids) * self.block_bytes
         if entry.transfer.state is TransferState.PENDING:
             entry.transfer.move_to(TransferState.IN_FLIGHT)
 
@@ -205,12 +209,18 @@ class ReceiverLedger:
     """
 
     def __init__(
-        self, config: TransferConfig, num_layers: int, num_blocks: int, num_heads: int = 1
+        self,
+        config: TransferConfig,
+        num_layers: int,
+        num_blocks: int,
+        num_heads: int = 1,
+        block_bytes: int = 0,
     ) -> None:
         self.config = config
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.num_heads = num_heads  # the model's KV heads (a TP decode pool holds some)
+        self.block_bytes = block_bytes  # one block of one layer of this pool, every plane
         self.table: TransferTable[Incoming] = TransferTable()
         # Frames for no expected transfer (cancelled, failed, finished, never expected): dropped
         # before they touch the pool, so a late frame never writes into a freed block.
@@ -280,8 +290,11 @@ class ReceiverLedger:
         entry.announced = True
         return None
 
-    def layer_written(self, entry: Incoming, layer: int, heads: range | None = None) -> None:
-        """`heads` of `layer` are in the pool (None: all of them)."""
+    def layer_written(
+        self, entry: Incoming, layer: int, heads: range | None = None, nbytes: int = 0
+    ) -> None:
+        """`heads` of `layer` (None: all of them) arrived as a payload of `nbytes` bytes."""
+        entry.transfer.nbytes += nbytes
         arrived = entry.heads.setdefault(layer, set())
         arrived.update(range(self.num_heads) if heads is None else heads)
         if len(arrived) == self.num_heads:
@@ -349,8 +362,10 @@ class ReceiverLedger:
         if any(arrived.intersection(heads) for arrived in entry.heads.values()):
             self.fail(request_id, f"KV heads {heads} arrived twice")
             return
+        # a direct write moved whole blocks of these heads, every layer
+        nbytes = len(entry.transfer.block_ids) * self.block_bytes * len(heads) // self.num_heads
         for layer in range(self.num_layers):
-            self.layer_written(entry, layer, heads)
+            self.layer_written(entry, layer, heads, nbytes)
         self.complete(request_id, metadata, senders, payload)
 
     def abort(self, request_id: str, reason: str, answered: bool = False) -> None:

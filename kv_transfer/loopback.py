@@ -26,14 +26,15 @@ from kv_transfer.frames import (
     decode_header,
     encode_header,
 )
-from kv_transfer.ledger import (
-    DEADLINE_EXCEEDED,
-    INJECTED_FAILURE,
-    Outgoing,
-    ReceiverLedger,
-    SenderLedger,
+from kv_transfer.ledger import DEADLINE_EXCEEDED, INJECTED_FAILURE, Outgoing
+from kv_transfer.pool_io import (
+    gather_layer,
+    payload_error,
+    payload_view,
+    receiver_ledger,
+    scatter_layer,
+    sender_ledger,
 )
-from kv_transfer.pool_io import gather_layer, payload_error, payload_view, scatter_layer
 
 SCHEME = "loopback://"
 
@@ -46,9 +47,7 @@ class LoopbackReceiver(KVReceiver):
         if not bind_address.startswith(SCHEME) or bind_address == SCHEME:
             raise ValueError(f"loopback address must look like {SCHEME}NAME, got {bind_address!r}")
         self._pool = pool
-        self._ledger = ReceiverLedger(
-            config, num_layers=pool.shape[0], num_blocks=pool.shape[2], num_heads=pool.shape[4]
-        )
+        self._ledger = receiver_ledger(config, pool)
         self._cond = threading.Condition()  # guards the ledger, the pool writes and the inbox
         self._inbox: deque[tuple[bytes, memoryview | None]] = deque()  # header, payload
         with _RECEIVERS_LOCK:
@@ -90,12 +89,13 @@ class LoopbackReceiver(KVReceiver):
         with self._cond:
             entry = self._ledger.accept_layer(header)
             if entry is not None:
-                error = payload_error(self._pool, header, payload.numel() * payload.element_size())
+                nbytes = payload.numel() * payload.element_size()
+                error = payload_error(self._pool, header, nbytes)
                 if error is not None:
                     self._ledger.fail(header.request_id, error)
                 else:
                     scatter_layer(self._pool, header.layer, header.block_ids, payload)
-                    self._ledger.layer_written(entry, header.layer)
+                    self._ledger.layer_written(entry, header.layer, nbytes=nbytes)
             self._cond.notify_all()
 
     def deliver(self, frame: bytes, payload: memoryview | None = None) -> None:
@@ -132,7 +132,7 @@ class LoopbackReceiver(KVReceiver):
 class LoopbackSender(KVSender):
     def __init__(self, pool: torch.Tensor, config: TransferConfig) -> None:
         self._pool = pool
-        self._ledger = SenderLedger(config, num_layers=pool.shape[0], num_blocks=pool.shape[2])
+        self._ledger = sender_ledger(config, pool)
         self._format = None if config.kv_format is None else config.kv_format.to_dict()
 
     def begin(

@@ -68,7 +68,7 @@ class NixlExport:
     device_id: int
     mem_type: str  # "DRAM" or "VRAM"
     dtype: str
-    shape: list[int]  # [num_layers, 2, num_blocks, block_size, heads, head_dim]
+    shape: list[int]  # [num_layers, planes, num_blocks, block_size, heads, head_dim]
 
 
 register_kind("nixl_export", NixlExport)
@@ -79,7 +79,9 @@ def _region(pool: torch.Tensor) -> tuple[PoolRegion, str]:
         raise NixlUnavailable("the KV pool is not contiguous")
     block_bytes = pool[0, 0, 0].numel() * pool.element_size()
     device_id = (pool.device.index or 0) if pool.device.type == "cuda" else 0
-    region = PoolRegion(pool.data_ptr(), device_id, pool.shape[0], pool.shape[2], block_bytes)
+    region = PoolRegion(
+        pool.data_ptr(), device_id, pool.shape[0], pool.shape[2], block_bytes, pool.shape[1]
+    )
     return region, "VRAM" if pool.device.type == "cuda" else "DRAM"
 
 
@@ -205,7 +207,7 @@ class NixlWriter:
         self.agent = agent
         self.remote = PoolRegion(
             export.base, export.device_id, export.shape[0], export.shape[2],
-            agent.region.block_bytes,
+            agent.region.block_bytes, export.shape[1],
         )  # fmt: skip
         self.remote_mem_type = export.mem_type
         try:

@@ -1,11 +1,13 @@
-"""One layer's K and V of a set of blocks, out of and into a KV pool.
+"""One layer of a set of blocks, out of and into a KV pool, for any cache geometry.
 
-The pool is `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`; a layer payload
-is `pool[layer][:, block_ids]`, shape `[2, n, block_size, num_kv_heads, head_dim]`, contiguous.
-Device-agnostic: on CUDA the gather runs on the GPU and the host copy is asynchronous
-(HostStager); the write side copies host to device before scattering. KV moves as bytes: a
-float8 pool is indexed through a uint8 view (index_copy_ has no float8 kernels), so an FP8
-pool's KV arrives bit for bit.
+The pool is `[num_layers, planes, num_blocks, block_size, heads, head_dim]`: planes 2 holds K
+and V of the KV heads, planes 1 MLA's latent (one head of kv_lora_rank + rope values, the
+same on every tensor-parallel rank). A layer payload is `pool[layer][:, block_ids]`, shape
+`[planes, n, block_size, heads, head_dim]`, contiguous, whole blocks (a block's unused slots
+travel too). Device-agnostic: on CUDA the gather runs on the GPU and the host copy is
+asynchronous (HostStager); the write side copies host to device before scattering. KV moves as
+bytes: a float8 pool is indexed through a uint8 view (index_copy_ has no float8 kernels), so an
+FP8 pool's KV arrives bit for bit.
 """
 
 from __future__ import annotations
@@ -17,14 +19,40 @@ from typing import Any
 
 import torch
 
+from kv_transfer.base import TransferConfig
 from kv_transfer.frames import LayerHeader
-from kv_transfer.ledger import ReceiverLedger
+from kv_transfer.ledger import ReceiverLedger, SenderLedger
 
 log = logging.getLogger(__name__)
 
 
+def check_pool(pool: torch.Tensor) -> None:
+    """ValueError unless `pool` is `[num_layers, planes (1 or 2), num_blocks, block_size, heads,
+    head_dim]`."""
+    if pool.dim() != 6 or pool.shape[1] not in (1, 2) or min(pool.shape) < 1:
+        raise ValueError(
+            f"a KV pool is [num_layers, planes (1 or 2), num_blocks, block_size, heads, "
+            f"head_dim], got {list(pool.shape)}"
+        )
+
+
+def block_bytes(pool: torch.Tensor) -> int:
+    """Bytes of one block of one layer, every plane and every head the pool holds."""
+    return pool.shape[1] * math.prod(pool.shape[3:]) * pool.element_size()
+
+
+def sender_ledger(config: TransferConfig, pool: torch.Tensor) -> SenderLedger:
+    check_pool(pool)
+    return SenderLedger(config, pool.shape[0], pool.shape[2], block_bytes(pool))
+
+
+def receiver_ledger(config: TransferConfig, pool: torch.Tensor) -> ReceiverLedger:
+    check_pool(pool)
+    return ReceiverLedger(config, pool.shape[0], pool.shape[2], pool.shape[4], block_bytes(pool))
+
+
 def layer_shape(pool: torch.Tensor, num_blocks: int) -> list[int]:
-    return [2, num_blocks, *pool.shape[3:]]
+    return [pool.shape[1], num_blocks, *pool.shape[3:]]
 
 
 def _index(pool: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
@@ -48,7 +76,7 @@ def upload_ids(ids: list[int], device: torch.device, stream: torch.cuda.Stream) 
 def gather_layer(
     pool: torch.Tensor, layer: int, block_ids: list[int], index: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """A contiguous copy of the layer's K and V of `block_ids`, on the pool's device."""
+    """A contiguous copy of the layer's planes of `block_ids`, on the pool's device."""
     index = _index(pool, block_ids) if index is None else index
     return raw(pool[layer]).index_select(1, index).view(pool.dtype)
 
@@ -196,6 +224,5 @@ def write_layer_frame(
         log.exception("writing KV of %s failed", header.request_id)
         ledger.fail(header.request_id, f"write failed: {exc}")
         return
-    ledger.layer_written(
-        entry, header.layer, range(header.head_start, header.head_start + header.shape[3])
-    )
+    heads = range(header.head_start, header.head_start + header.shape[3])
+    ledger.layer_written(entry, header.layer, heads, buffer.nbytes)

@@ -22,6 +22,13 @@ prefill rank then writes its heads straight into the pool of every decode rank h
 finished; rank 0 counts heads as above. A rank > 0 waits for its copies after each "complete"
 (`KVSender.flush`), before rank 0's next step may reuse the blocks. Nodes of several ranks
 refuse other transports (nixl) at start.
+
+MLA's latent cache (planes 1; `TPLayout` of one KV head, which every rank holds whole): prefill
+rank 0 alone ships it, as one frame per layer; decode rank 0 writes it and hands the whole
+frame to every other rank. Per token that is 576 x num_layers x itemsize bytes on the wire
+once (DeepSeek-V2-Lite, bf16: 27 layers, 30.4 KiB), and the same bytes written into each of the D
+decode ranks' pools (D - 1 of them through one broadcast over the device group).
+
 """
 
 from __future__ import annotations

@@ -23,13 +23,13 @@ import zmq
 from kv_transfer.base import KVReceiver, KVSender, Transfer, TransferConfig, TransferState
 from kv_transfer.frames_receiver import FrameReceiver
 from kv_transfer.frames_sender import FrameSender, connect
-from kv_transfer.ledger import DEADLINE_EXCEEDED, INJECTED_FAILURE, SenderLedger
-from kv_transfer.pool_io import PoolWriter
+from kv_transfer.ledger import DEADLINE_EXCEEDED, INJECTED_FAILURE
+from kv_transfer.pool_io import PoolWriter, sender_ledger
 
 
 class ZmqSender(KVSender):
     def __init__(self, pool: torch.Tensor, config: TransferConfig) -> None:
-        self._ledger = SenderLedger(config, num_layers=pool.shape[0], num_blocks=pool.shape[2])
+        self._ledger = sender_ledger(config, pool)
         self._linger_ms = round(config.close_linger_s * 1000)
         self._ctx = zmq.Context()
         self._sockets: dict[str, zmq.Socket] = {}

@@ -89,6 +89,8 @@ def test_an_auto_worker_keeps_its_pool_and_takes_the_checkpoint_scales(model_dir
     fmt = worker.runtime.kv_format
     assert (fmt.kv_dtype, fmt.kv_scales, fmt.quantization) == ("float32", "none", "none")
     assert (fmt.num_layers, fmt.num_kv_heads, fmt.block_size) == (2, 2, 16)
+    assert fmt.architecture == worker.spec.architecture
+    assert fmt.geometry == worker.spec.kv_cache_geometry  # K and V planes of 2 heads
 
 
 def test_the_launcher_summary_shows_the_kv_dtype_and_the_tokens_it_holds():

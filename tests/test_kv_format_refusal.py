@@ -40,7 +40,17 @@ from tests.router_fakes import LoopbackNodes, ManualClock, generation_script, he
 from tests.test_router_api_errors import assert_openai_error, call
 
 P, P2, D = "tcp://127.0.0.1:5601", "tcp://127.0.0.1:5602", "tcp://127.0.0.1:5701"
-F32 = KVFormat("float32", "none", "none", 30, 3, 64, 16)
+F32 = KVFormat(
+    kv_dtype="float32",
+    kv_scales="none",
+    quantization="none",
+    architecture="Qwen2ForCausalLM",
+    num_layers=30,
+    planes=2,
+    num_kv_heads=3,
+    head_dim=64,
+    block_size=16,
+)
 FP8 = dataclasses.replace(F32, kv_dtype="float8_e4m3fn", kv_scales="all 1.0")
 PROMPT = list(range(10, 50))
 
@@ -71,6 +81,21 @@ def test_no_prefill_node_of_the_decode_nodes_kv_format_is_a_503_naming_both(rout
     assert "kv_dtype float8_e4m3fn (prefill) vs float32 (decode)" in message
     assert "kv_scales all 1.0 (prefill) vs none (decode)" in message
     assert link.sent == []  # nothing reached a node: nothing to free
+
+
+def test_a_latent_cache_prefill_node_and_a_kv_decode_node_are_a_503_naming_both_geometries(
+    router,
+):
+    app, link = router
+    latent = dataclasses.replace(
+        F32, architecture="DeepseekV2ForCausalLM", planes=1, num_kv_heads=1, head_dim=576
+    )
+    beat(app, P, "prefill", latent)
+    beat(app, D, "decode", F32)
+    message = assert_openai_error(call(app, "POST", "/v1/completions", {"prompt": "a"}), 503)
+    assert "architecture DeepseekV2ForCausalLM (prefill) vs Qwen2ForCausalLM (decode)" in message
+    assert "cache geometry latent 1 x 576 (prefill) vs K/V 3 heads x 64 (decode)" in message
+    assert link.sent == []
 
 
 def test_requests_go_only_to_the_prefill_node_of_the_decode_nodes_kv_format(router):

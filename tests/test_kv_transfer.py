@@ -188,7 +188,17 @@ def test_shuffled_layers_land_exactly_in_the_reserved_blocks(make_pair, dtype):
 
 
 FP8 = torch.float8_e4m3fn
-FP8_FORMAT = KVFormat("float8_e4m3fn", "all 1.0", "none", NUM_LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE)
+FP8_FORMAT = KVFormat(
+    kv_dtype="float8_e4m3fn",
+    kv_scales="all 1.0",
+    quantization="none",
+    architecture="LlamaForCausalLM",
+    num_layers=NUM_LAYERS,
+    planes=2,
+    num_kv_heads=HEADS,
+    head_dim=HEAD_DIM,
+    block_size=BLOCK_SIZE,
+)
 
 
 def raw_blocks(pool: torch.Tensor, block_ids: list[int]) -> torch.Tensor:

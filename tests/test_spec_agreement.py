@@ -31,7 +31,17 @@ from tests.test_kv_format_refusal import assert_no_block_held, close
 from tests.test_kv_format_refusal import run_pair as refusal_pair
 
 PROMPT = list(range(10, 50))
-F32 = KVFormat("float32", "none", "none", 30, 3, 64, 16)
+F32 = KVFormat(
+    kv_dtype="float32",
+    kv_scales="none",
+    quantization="none",
+    architecture="Qwen2ForCausalLM",
+    num_layers=30,
+    planes=2,
+    num_kv_heads=3,
+    head_dim=64,
+    block_size=16,
+)
 
 
 def speculating(engine: EngineConfig, **options) -> EngineConfig:

@@ -3,10 +3,12 @@
 A prefill node's KV is only usable by a decode node that stores and reads it the same way: the
 same element type and, for FP8, the same per-layer scales (a value stored as `x / scale` reads
 back as `stored * scale`), the same model quantization (which computed the K and V), the same
-layout, and the same speculative decoding method and draft model (what decode needs to start
-speculating moves with the KV; K may differ). Every node publishes its `KVFormat` in its heartbeat (`info["kv_format"]`); the
-router pairs only nodes whose formats are equal, and a KV receiver refuses a sender whose
-announced format differs (kv_transfer).
+architecture and cache geometry (`KVCacheGeometry`: K and V planes of `num_kv_heads` heads, or
+MLA's one latent plane of one head of kv_lora_rank + rope values), the same block size, and
+the same speculative decoding method and draft model (what decode needs to start speculating
+moves with the KV; K may differ). Every node publishes its `KVFormat` in its heartbeat
+(`info["kv_format"]`); the router pairs only nodes whose formats are equal, and a KV receiver
+refuses a sender whose announced format differs (kv_transfer).
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from typing import Any
 
 from common.model.quantization.config import QuantConfig
 from common.model.source import ModelSource
+from common.model.spec import KVCacheGeometry
 
 FEW_SCALES = 4  # per-layer scales are listed up to this many layers, digested beyond
+GEOMETRY_FIELDS = ("planes", "num_kv_heads", "head_dim")  # compared and named as one
 
 
 @dataclass(frozen=True)
@@ -29,8 +33,12 @@ class KVFormat:
     kv_dtype: str  # the pool's torch dtype name: "bfloat16", "float8_e4m3fn", ...
     kv_scales: str  # "none" (not FP8), else `scales_summary` of the per-layer K and V scales
     quantization: str  # the model's linear quantization: "none" or `quantization_name`
+    architecture: str  # the checkpoint's `architectures` entry, e.g. "LlamaForCausalLM"
     num_layers: int
-    num_kv_heads: int  # the model's, not one tensor-parallel rank's
+    # The model's `KVCacheGeometry` (all heads, not one tensor-parallel rank's): planes 2 is
+    # K and V of num_kv_heads heads; planes 1 is MLA's latent, one head of head_dim values.
+    planes: int
+    num_kv_heads: int
     head_dim: int
     block_size: int
     # `speculative_name`: "none", "ngram", "draft:<model>", "eagle3:<model>" (K excluded)
@@ -55,28 +63,51 @@ class KVFormat:
                 raise ValueError(f"KV format {f.name} must be {wanted.__name__}, got {value!r}")
         return cls(**raw)
 
+    def __post_init__(self) -> None:
+        if self.planes not in (1, 2):
+            raise ValueError(
+                f"KV format planes must be 1 (latent) or 2 (K and V), got {self.planes}"
+            )
+        sizes = {
+            n: getattr(self, n) for n in ("num_layers", "num_kv_heads", "head_dim", "block_size")
+        }
+        bad = {n: v for n, v in sizes.items() if v < 1}
+        if bad:
+            raise ValueError(f"KV format sizes must be >= 1, got {bad}")
+
+    @property
+    def geometry(self) -> KVCacheGeometry:
+        return KVCacheGeometry(self.planes, self.num_kv_heads, self.head_dim)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def describe(self) -> str:
-        """`float8_e4m3fn KV (scales all 1.0), weights none, 30 layers x 3 KV heads x 64, 16-token
-        blocks, speculative ngram`."""
+        """`float8_e4m3fn KV (scales all 1.0), weights none, LlamaForCausalLM K/V 8 heads x 128
+        (32 layers), 16-token blocks, speculative ngram`, or with MLA's cache
+        `... DeepseekV2ForCausalLM latent 1 x 576 (27 layers) ...`."""
         scales = "" if self.kv_scales == "none" else f" (scales {self.kv_scales})"
         spec = "" if self.speculative == "none" else f", speculative {self.speculative}"
         return (
-            f"{self.kv_dtype} KV{scales}, weights {self.quantization}, {self.num_layers} layers x "
-            f"{self.num_kv_heads} KV heads x {self.head_dim}, {self.block_size}-token blocks{spec}"
+            f"{self.kv_dtype} KV{scales}, weights {self.quantization}, {self.architecture} "
+            f"{self.geometry.describe()} ({self.num_layers} layers), {self.block_size}-token "
+            f"blocks{spec}"
         )
 
     def mismatch(self, other: KVFormat, labels: tuple[str, str] = ("this", "other")) -> str | None:
         """None when the formats agree, else every differing field with both values, each
-        followed by whose it is: `kv_dtype float8_e4m3fn (prefill A) vs bfloat16 (decode B)`."""
+        followed by whose it is: `kv_dtype float8_e4m3fn (prefill A) vs bfloat16 (decode B)`;
+        the geometry reads as one: `cache geometry latent 1 x 576 (A) vs K/V 8 heads x 128 (B)`."""
         mine, theirs = labels
-        diffs = [
-            f"{f.name} {getattr(self, f.name)} ({mine}) vs {getattr(other, f.name)} ({theirs})"
-            for f in dataclasses.fields(self)
-            if getattr(self, f.name) != getattr(other, f.name)
-        ]
+        diffs = []
+        for f in dataclasses.fields(self):
+            name, a, b = f.name, getattr(self, f.name), getattr(other, f.name)
+            if name in GEOMETRY_FIELDS[1:]:
+                continue  # in the geometry, named at "planes"
+            if name == GEOMETRY_FIELDS[0]:
+                name, a, b = "cache geometry", self.geometry.describe(), other.geometry.describe()
+            if a != b:
+                diffs.append(f"{name} {a} ({mine}) vs {b} ({theirs})")
         return "; ".join(diffs) or None
 
 

@@ -390,10 +390,14 @@ class Worker:
         step_peak_bytes(self.model, self.backend, bs, tokens, self.kv_dtype)
 
     def _kv_format(self) -> KVFormat:
-        """This pool's `KVFormat`: the model's layout (all KV heads, whatever this rank holds),
-        the pool's dtype and scales, the linear quantization that computes K and V, and the
-        speculative method with its draft model (resolved like --model)."""
+        """This pool's `KVFormat`: the architecture and its cache geometry (all KV heads,
+        whatever this rank holds), the pool's dtype and scales, the linear quantization that
+        computes K and V, and the speculative method with its draft model (resolved like
+        --model)."""
         mc, kv, spec = self.config.model, self.kv_cache, self.spec
+        geometry = spec.kv_cache_geometry
+        held = (kv.pool.shape[1], kv.pool.shape[-1])
+        assert held == (geometry.planes, geometry.head_dim), (held, geometry)
         scheme = resolve_quantization(spec.quantization, mc.quantization, mc.load_format)
         sc = self.config.speculative
         draft = None
@@ -403,9 +407,11 @@ class Worker:
             kv_dtype=str(kv.pool.dtype).removeprefix("torch."),
             kv_scales=scales_summary(kv.k_scales, kv.v_scales) if kv.is_fp8 else "none",
             quantization=quantization_name(scheme),
+            architecture=spec.architecture,
             num_layers=spec.num_layers,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
+            planes=geometry.planes,
+            num_kv_heads=geometry.heads,
+            head_dim=geometry.head_dim,
             block_size=kv.block_size,
             speculative=speculative_name(sc.speculative_method, draft),
         )

@@ -1,11 +1,12 @@
 """Copy KV blocks from one pool into another, possibly on another GPU.
 
-Pools are `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`, contiguous, of one
-dtype; their block counts may differ. One program copies the K or the V plane of one block of
-one layer, so a set of layers moves in one launch and one pass over the bytes, with no gather
-buffer and no host work per block. FP8 pools are copied as their bytes. `BlockCopier` copies
-whole blocks between pools of one per-block shape; `HeadCopier` copies a range of KV heads into
-a range of another pool's heads (tensor-parallel pools hold different heads of the model).
+Pools are `[num_layers, planes, num_blocks, block_size, heads, head_dim]` (planes 2: K and V;
+1: MLA's latent), contiguous, of one dtype; their block counts may differ. One program copies one
+plane of one block of one layer, so a set of layers moves in one launch and one pass over the
+bytes, with no gather buffer and no host work per block. FP8 pools are copied as their bytes.
+`BlockCopier` copies whole blocks between pools of one per-block shape; `HeadCopier` copies a
+range of KV heads into a range of another pool's heads (tensor-parallel pools hold different
+heads of the model).
 
 The destination may live on another GPU: the kernel runs on the source's GPU and stores through
 a peer mapping, over NVLink or PCIe. A CUDA IPC-opened pool is mapped for the source's GPU when
@@ -30,7 +31,8 @@ def _copy_blocks_kernel(
     src_ptr, dst_ptr, pairs_ptr, src_blocks, dst_blocks, first_plane,
     BLOCK_NUMEL: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """Program (p, q): block pair p, plane q of the layer range (plane = layer * 2 + kv)."""
+    """Program (p, q): block pair p, plane q of the layer range (plane = layer * planes + its
+    plane in the layer)."""
     pair = tl.program_id(0)
     plane = (first_plane + tl.program_id(1)).to(tl.int64)
     src_block = tl.load(pairs_ptr + 2 * pair).to(tl.int64)
@@ -90,7 +92,7 @@ class BlockCopier:
             # FP8 pools move as bytes: bit-exact, and Triton's fp8 types need sm_89+.
             src, dst = src.view(torch.uint8), dst.view(torch.uint8)
         self.src, self.dst = src, dst
-        self.num_layers = src.shape[0]
+        self.num_layers, self.planes = src.shape[0], src.shape[1]
         self.block_numel = math.prod(src.shape[3:])
         self.chunk = min(triton.next_power_of_2(self.block_numel), MAX_CHUNK)
         self.num_warps = 4 if self.chunk <= 2048 else 8
@@ -109,8 +111,9 @@ class BlockCopier:
         if not len(layers) or not pairs.shape[0]:
             return
         with self.device:
-            _copy_blocks_kernel[(pairs.shape[0], 2 * len(layers))](
-                self.src, self.dst, pairs, self.src.shape[2], self.dst.shape[2], 2 * layers.start,
+            _copy_blocks_kernel[(pairs.shape[0], self.planes * len(layers))](
+                self.src, self.dst, pairs, self.src.shape[2], self.dst.shape[2],
+                self.planes * layers.start,
                 BLOCK_NUMEL=self.block_numel, CHUNK=self.chunk, num_warps=self.num_warps,
             )  # fmt: skip
 
@@ -167,8 +170,10 @@ class HeadCopier:
         if not len(layers) or not pairs.shape[0]:
             return
         with self.device:
-            _copy_heads_kernel[(pairs.shape[0], 2 * len(layers))](
-                self.src, self.dst, pairs, self.src.shape[2], self.dst.shape[2], 2 * layers.start,
+            planes = self.src.shape[1]
+            _copy_heads_kernel[(pairs.shape[0], planes * len(layers))](
+                self.src, self.dst, pairs, self.src.shape[2], self.dst.shape[2],
+                planes * layers.start,
                 ROWS=self.rows, SRC_ROW=self.src_row, DST_ROW=self.dst_row, SRC_OFF=self.src_off,
                 DST_OFF=self.dst_off, RUN=self.run, ROW_TILE=self.row_tile,
                 COL_TILE=self.col_tile, num_warps=self.num_warps,
