@@ -1,9 +1,9 @@
 """The cuda_ipc data path: layers of a request, from the local pool into opened remote pools.
 
 One kernel launch per remote pool per call (`common.model.kernels.block_copy`): programs on the
-local GPU read each block's planes (K and V, or MLA's latent) and store them straight into the remote pool, through the
-peer mapping when it lives on another GPU (NVLink or PCIe; `kv_transfer.ipc_handles.open_pool`
-maps it for this GPU). No gather buffer, no staging on the remote GPU, no second pass there, no
+local GPU read each block's planes (K and V, or MLA's latent) and store them straight into the
+remote pool, through the peer mapping when it lives on another GPU (NVLink or PCIe;
+`kv_transfer.ipc_handles.open_pool` maps it for this GPU). No gather buffer, no staging on the remote GPU, no second pass there, no
 host work per block.
 
 Tensor parallel: the local pool holds the model's KV heads `heads`, each remote pool some heads
