@@ -232,8 +232,8 @@ def _decode_kernel(
         )
     else:
         part = (seq64 * num_heads + head) * num_splits + split
-        # m and l from the first column program: the other's differ only by the order of
-        # its score sums (rounding), which the reduce's weights never notice.
+        # m and l from the first column program; the other's sum the scores' halves in the
+        # other order, so they differ from these by rounding only.
         if col == 0:
             tl.store(part_m_ptr + part, m_i, mask=row_mask)
             tl.store(part_l_ptr + part, l_i, mask=row_mask)
