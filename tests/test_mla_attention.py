@@ -29,7 +29,11 @@ from common.model.attention.mla_reference import (  # noqa: E402
     write_latent_reference,
 )
 from common.model.kernels.mla_attention import (  # noqa: E402
+    FP32_DECODE_CONFIG,
+    MLADecodeConfig,
+    mla_decode_config,
     mla_decode_scratch,
+    mla_decode_splits,
     paged_mla_decode,
     paged_mla_prefill,
     write_latent,
@@ -93,21 +97,65 @@ def make_batch(q_lens, seq_lens, heads, dtype, cache_dtype=None, page=16, seed=0
     )
 
 
-def decode(b: Batch, splits: int | None, kv_scale: float = 1.0, block_n: int = 16):
+# 16-key tiles, so short contexts span several tiles and splits.
+SMALL_TILES = MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=2)
+
+
+def decode(b: Batch, splits: int | None, kv_scale: float = 1.0, config=SMALL_TILES):
     rows, heads = b.q_nope.shape[:2]
     scratch = None if splits is None else DecodeScratch.allocate(rows, heads, splits, DC, DEVICE)
     return paged_mla_decode(b.q_nope, b.q_pe, b.cache, b.block_tables, b.seq_lens, SCALE,
-                            kv_scale, scratch=scratch, block_n=block_n)  # fmt: skip
+                            kv_scale, scratch=scratch, config=config)  # fmt: skip
 
 
-# A one-key row, whole and partial key tiles over splits, a length-0 padding row on the padding
-# block; 20 heads fill one head group and part of a second.
-@pytest.mark.parametrize("splits", [1, 4])
+# A one-key row, whole and partial key tiles over splits (64: most of them empty, the reduce in
+# 64-column slices), a length-0 padding row on the padding block; 20 heads fill one head group
+# and part of a second.
+@pytest.mark.parametrize("splits", [1, 4, 64])
 def test_decode_fp32_matches_reference_across_splits_and_a_padding_row(splits):
     b = make_batch([1] * 4, [1, 37, 130, 0], 20, torch.float32)
     out = decode(b, splits)
     torch.testing.assert_close(out, b.reference(prefill=False), **TOL[torch.float32])
     assert torch.equal(out[3], torch.zeros_like(out[3]))
+
+
+# Each head tile: 40 heads are two groups of 32 (the second partial) or one padded group of 64
+# or 128; out_split 2 splits the latent columns between two programs per group.
+@pytest.mark.parametrize(
+    "config",
+    [
+        MLADecodeConfig(32, 16, 8, 2),
+        MLADecodeConfig(64, 16, 8, 2),
+        MLADecodeConfig(64, 16, 4, 2, out_split=2),
+        MLADecodeConfig(128, 16, 8, 2, out_split=2),
+    ],
+    ids=lambda c: f"h{c.block_h}o{c.out_split}",
+)
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_head_tiles_and_column_split_match_reference(config, splits):
+    b = make_batch([1] * 3, [1, 37, 0], 40, torch.float32)
+    out = decode(b, splits, config=config)
+    torch.testing.assert_close(out, b.reference(prefill=False), **TOL[torch.float32])
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+
+
+def test_decode_config_holds_a_ranks_heads_in_one_program_up_to_64():
+    block_h = {h: mla_decode_config(h).block_h for h in (8, 16, 20, 32, 64, 128)}
+    assert block_h == {8: 16, 16: 16, 20: 32, 32: 32, 64: 64, 128: 64}
+    assert mla_decode_config(128, FP8).block_h == 64
+    assert mla_decode_config(128, torch.float32) == FP32_DECODE_CONFIG
+
+
+def test_split_rule_fills_two_waves_and_keeps_64_keys_a_split():
+    cpu = torch.device("cpu")  # counts as 132 SMs
+    # One sequence: as many splits as 64 keys allow, up to 64.
+    assert [mla_decode_splits(1, 16, cpu, n) for n in (40, 1024, 8192)] == [1, 16, 64]
+    # 128 heads are 2 programs a split: 32 sequences make 64, so 4 splits (2 waves of 132 SMs).
+    assert mla_decode_splits(32, 128, cpu, 8192) == 4
+    assert mla_decode_splits(128, 16, cpu, 8192) == 2
+    out_split = MLADecodeConfig(128, 16, 8, 2, out_split=2)
+    assert mla_decode_splits(32, 128, cpu, 8192, config=out_split) == 4
+    assert mla_decode_splits(512, 128, cpu) == 1
 
 
 def test_decode_bf16_with_its_own_scratch_matches_reference():
@@ -154,8 +202,10 @@ def test_fp8_cache_decode_and_prefill_match_the_dequantized_reference(q_dtype):
     torch.testing.assert_close(out.float(), b.reference(KV_SCALE).float(), **TOL[q_dtype])
     rows = b.query_start_loc[1:] - 1  # each sequence's last token as a decode row
     d = Batch(b.q_nope[rows], b.q_pe[rows], b.cache, b.block_tables, b.seq_lens, b.query_start_loc)
-    out = decode(d, 2, KV_SCALE)
-    torch.testing.assert_close(out.float(), d.reference(KV_SCALE, False).float(), **TOL[q_dtype])
+    ref = d.reference(KV_SCALE, False).float()
+    for config in (SMALL_TILES, MLADecodeConfig(64, 16, 4, 2, out_split=2)):
+        out = decode(d, 2, KV_SCALE, config)
+        torch.testing.assert_close(out.float(), ref, **TOL[q_dtype])
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
@@ -189,19 +239,18 @@ def test_misuse_raises_value_errors_naming_the_values():
         paged_mla_decode(q_nope, q_pe, fp8, table, lens, SCALE, kv_scale=0.0)
     with pytest.raises(ValueError, match="Dc=384"):
         write_latent(torch.zeros(1, 384), torch.zeros(1, DR), torch.zeros(2, 8, 1, 448), lens)
+    cache = torch.zeros(2, 8, 1, DC + DR, device=DEVICE)
+    for bad in (MLADecodeConfig(24, 16, 4, 2), MLADecodeConfig(16, 16, 4, 2, out_split=4)):
+        with pytest.raises(ValueError, match=rf"block_h={bad.block_h}.*out_split={bad.out_split}"):
+            paged_mla_decode(q_nope, q_pe, cache, table, lens, SCALE, config=bad)
 
 
-def test_decode_benchmark_smoke_run_reports_checked_times_and_floors(tmp_path):
+def test_decode_benchmark_smoke_run_reports_checked_times_floors_and_a_config_sweep(tmp_path):
     out = tmp_path / "mla.json"
     root = Path(__file__).resolve().parent.parent
+    bench = root / "benchmarks" / "bench_mla_decode.py"
     proc = subprocess.run(
-        [
-            sys.executable,
-            str(root / "benchmarks" / "bench_mla_decode.py"),
-            "--smoke",
-            "--out",
-            str(out),
-        ],
+        [sys.executable, str(bench), "--smoke", "--sweep-configs", "--out", str(out)],
         env={**os.environ, "PYTHONPATH": str(root)},
         capture_output=True,
         text=True,
@@ -211,19 +260,36 @@ def test_decode_benchmark_smoke_run_reports_checked_times_and_floors(tmp_path):
     results = json.loads(out.read_text())["results"]
     assert [(r["heads"], r["batch"]) for r in results] == [(16, 1), (16, 2)]
     assert all(r["us_per_call"] > 0 and r["floor_us"] > 0 and r["max_err"] < 2e-2 for r in results)
+    # Two smoke configs (out_split 1 and 2) at the rule's splits (1 for 40 keys) and twice it.
+    for r in results:
+        swept = [(e["config"], e["splits"], e["rule"]) for e in r["configs"]]
+        assert swept == [
+            (c, s, s == 1) for c in ("16/16/w4/s2/o1", "16/16/w4/s2/o2") for s in (1, 2)
+        ]
+        assert all(e["us"] > 0 and e["max_err"] < 2e-2 for e in r["configs"])
+    best = proc.stdout.splitlines()[-2:]  # one line per row after the JSON
+    assert all(
+        line.split()[:3] == ["16", str(batch), "40"]
+        for line, batch in zip(best, (1, 2), strict=True)
+    )
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+# The table's tiles (16 heads: one group of 16; 128: two of 64) and 128 heads in one program
+# over two column halves, compiled for the GPU.
 @needs_cuda
-@pytest.mark.parametrize("heads", [16, 128])
-def test_gpu_bf16_decode_at_8k_context_matches_reference(heads):
+@pytest.mark.parametrize(
+    "heads,config", [(16, None), (128, None), (128, MLADecodeConfig(128, 16, 8, 2, out_split=2))]
+)
+def test_gpu_bf16_decode_at_8k_context_matches_reference(heads, config):
     b = make_batch([1] * 3, [8192, 8191, 3000], heads, torch.bfloat16, page=64)
     ref = b.reference(prefill=False).float()
-    for scratch in (None, mla_decode_scratch(3, heads, DC, DEVICE, max_seq_len=8192)):
+    scratch = mla_decode_scratch(3, heads, DC, DEVICE, max_seq_len=8192, config=config)
+    for one in (None, scratch, DecodeScratch.allocate(3, heads, 1, DC, DEVICE)):
         out = paged_mla_decode(b.q_nope, b.q_pe, b.cache, b.block_tables, b.seq_lens, SCALE,
-                               scratch=scratch)  # fmt: skip
+                               scratch=one, config=config)  # fmt: skip
         torch.testing.assert_close(out.float(), ref, **TOL[torch.bfloat16])
 
 
