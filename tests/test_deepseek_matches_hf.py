@@ -9,6 +9,7 @@ step budget, so long prompts and prefix-cache hits run as chunks mixed with deco
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -310,17 +311,32 @@ def decompressed_attention(proj, metadata, tokens, cached, scale):
     return torch.stack(out)
 
 
+def on(device: str, value):
+    """`value` (tensors, tuples, dataclasses of tensors) with every tensor on `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(on(device, v) for v in value)
+    if dataclasses.is_dataclass(value):
+        fields = {f.name: on(device, getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return dataclasses.replace(value, **fields)
+    return value
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_absorbed_latent_attention_equals_decompressed_attention(backend):
     """Prefill (a fresh sequence and one over cached latents), then each sequence's next token
-    as a decode row: the backend's absorbed form against per-head keys and values."""
+    as a decode row: the backend's absorbed form against per-head keys and values. Triton runs
+    on the GPU where there is one, in the interpreter elsewhere."""
     if backend == "triton":
         pytest.importorskip("triton")
         pytest.importorskip("common.model.kernels.mla_attention")
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     proj, cache, metadata, tokens, cached = latent_case()
     scale = 0.1
     attention = create_backend(backend)
-    out = attention.latent_forward(*tokens[:2], *tokens[2:], proj, cache, metadata, scale)
+    args = on(device, (tokens, proj, cache, metadata))
+    out = attention.latent_forward(*args[0][:2], *args[0][2:], *args[1:], scale).cpu()
     want = decompressed_attention(proj, metadata, tokens, cached, scale)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
     # One more token per sequence, as decode rows at positions 6 and 9.
@@ -336,7 +352,8 @@ def test_absorbed_latent_attention_equals_decompressed_attention(backend):
         max_query_len=1,
         max_seq_len=10,
     )
-    out = attention.latent_forward(*step[:2], *step[2:], proj, cache, decode, scale)
+    args = on(device, (tuple(step), proj, args[2], decode))
+    out = attention.latent_forward(*args[0][:2], *args[0][2:], *args[1:], scale).cpu()
     both = [torch.cat((a[:6], b[:1], a[6:], b[1:])) for a, b in zip(tokens, step, strict=True)]
     full = AttentionMetadata(
         query_start_loc=torch.tensor([0, 7, 12], dtype=torch.int32),
