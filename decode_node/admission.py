@@ -145,8 +145,6 @@ class PDAdmission:
         self.num_reserved = 0
         self.num_quarantined = 0
         self._headroom_blocks = math.ceil(config.kv_growth_headroom * self.allocator.num_blocks)
-        # all layers, K and V, every KV head (a tensor-parallel rank's pool holds some)
-        self._block_bytes = worker.spec.kv_bytes_per_token(pool.element_size()) * pool.shape[3]
         # EAGLE-3: the head is fed the prompt hidden states the prefill node ships. Without
         # it they are ignored (a pool of another method is refused anyway: KVFormat).
         proposer = worker.proposer
@@ -221,7 +219,8 @@ class PDAdmission:
         meta, timing = transfer.metadata or {}, request.timing
         timing.kv_landed_at = transfer.finished_at or time.monotonic()
         timing.kv_first_frame_at = transfer.in_flight_at
-        self.stats["kv_transfer_bytes"] += len(request.block_ids) * self._block_bytes
+        # The transport's own count (whole blocks, every head the node's ranks received).
+        self.stats["kv_transfer_bytes"] += transfer.nbytes
         start = transfer.in_flight_at or timing.reserved_at or timing.kv_landed_at
         self.stats["kv_transfer_seconds"] += timing.kv_landed_at - start
         timing.prefill_timing = {k: float(v) for k, v in (meta.get("timing") or {}).items()}
