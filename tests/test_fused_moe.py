@@ -208,7 +208,7 @@ def test_bad_operands_are_refused_naming_the_values():
         )
 
 
-def test_benchmark_smoke_run_checks_both_paths(tmp_path):
+def test_benchmark_smoke_run_checks_every_path_and_the_whole_layer(tmp_path):
     out = tmp_path / "moe.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
@@ -224,6 +224,12 @@ def test_benchmark_smoke_run_checks_both_paths(tmp_path):
     assert {r["impl"] for r in rows} == {"reference", "grouped_mm", "triton"}
     assert all(r["max_rel_err"] < report["tol"] for r in rows if r["impl"] != "reference")
     assert all(r["touched_experts"] >= 1 and r["floor_us"] > 0 for r in rows)
+    pieces = report["layer_rows"]  # the whole layer with either router, and each router alone
+    assert {r["impl"] for r in pieces} == {
+        f"{kind}[{router} router]" for kind in ("router", "layer") for router in ("torch", "fused")
+    }
+    assert all(r["ids_match"] == 1.0 for r in pieces)
+    assert all(r["max_rel_err"] < report["tol"] for r in pieces if r["kind"] == "layer")
 
 
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
