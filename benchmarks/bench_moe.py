@@ -95,6 +95,7 @@ def sweep_configs() -> dict[str, object]:
         *[(128, G(128, 64, 8, 3), G(256, 64, 8, 3), g) for g in (1, 4, 8, 16, 64)],
     ]  # shared memory <= 227 KB each (sm90)
     gemvs = [  # (gate_up, down)
+        (GemvTiles(16, 256, 4, 3), GemvTiles(8, 512, 4, 4)),  # the default, narrowed at T = 1
         (GemvTiles(16, 256, 4, 3), GemvTiles(16, 256, 4, 3)),
         (GemvTiles(8, 256, 4, 3), GemvTiles(8, 256, 4, 4)),
         (GemvTiles(4, 512, 4, 3), GemvTiles(4, 512, 4, 4)),

@@ -40,7 +40,10 @@ class GemvConfig:
 
 
 MIN_BLOCK_N = 4
-GEMV_CONFIG = GemvConfig(GemvTiles(16, 256, 4, 3), GemvTiles(16, 256, 4, 3))
+# Unmeasured first guess, sized by bytes in flight: an H200 wants ~4 MB in flight to stream at
+# its copy rate. GEMM1 at one token: ~3 programs per SM, 2 x 16 KB tiles ahead each; GEMM2 has
+# one program per column tile (~2 per SM at one token), hence deeper K steps, 3 x 8 KB ahead.
+GEMV_CONFIG = GemvConfig(GemvTiles(16, 256, 4, 3), GemvTiles(16, 512, 4, 4))
 
 
 def narrowed(config: GemvConfig, pairs: int, tokens: int, inter: int, hidden: int,

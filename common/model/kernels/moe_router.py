@@ -84,22 +84,15 @@ def route(
     tiles = tiles or pick_route_tiles(tokens, experts, hidden, _sm_count(device))
     use_dot = tiles.block_t >= 16
     e_pad = _experts_padded(experts, use_dot)
-    slice_ = e_pad // max(tiles.splits, 1)
-    if e_pad % tiles.splits or tiles.block_t & (tiles.block_t - 1) or (use_dot and slice_ < 16):
-        raise ValueError(
-            f"{tiles} must split {e_pad} padded experts in powers of two (>= 16 per program "
-            "with block_t >= 16)"
-        )
     blocks = triton.cdiv(tokens, tiles.block_t)
-    if tiles.splits > 1 and blocks > TICKETS:
-        raise ValueError(f"{blocks} token blocks exceed the {TICKETS} tickets of a split launch")
+    _check_tiles(tiles, e_pad, blocks)
+    slice_ = e_pad // tiles.splits
     scratch = weights  # unused without a split
     if tiles.splits > 1:
         scratch = torch.empty(blocks * tiles.block_t, e_pad, dtype=torch.float32, device=device)
     x = x if x.stride(1) == 1 else x.contiguous()
     w = gate_weight if gate_weight.stride(1) == 1 else gate_weight.contiguous()
     same = x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
-    grouped = moe.num_groups > 1
     _route_kernel[(blocks, tiles.splits)](
         x, w, correction_bias if correction_bias is not None else weights, scratch,
         _tickets(device), weights, ids,
@@ -109,7 +102,7 @@ def route(
         SPLITS=tiles.splits, USE_DOT=use_dot, CAST_F32=not same,
         EVEN_K=hidden % tiles.block_k == 0, TOP_K=k, K_PAD=triton.next_power_of_2(k),
         SIGMOID=moe.scoring == "sigmoid", RENORM=moe.renormalize,
-        HAS_BIAS=correction_bias is not None, NUM_GROUPS=moe.num_groups if grouped else 1,
+        HAS_BIAS=correction_bias is not None, NUM_GROUPS=moe.num_groups,
         G_PAD=triton.next_power_of_2(moe.num_groups), TOPK_GROUPS=moe.topk_groups,
         TOP2_SUM=moe.group_score == "top2_sum", num_warps=tiles.num_warps,
     )  # fmt: skip
@@ -270,6 +263,22 @@ def _route_kernel(
 def _experts_padded(experts: int, dot: bool) -> int:
     """A power of two, and >= 16 for tl.dot."""
     return max(16 if dot else 1, triton.next_power_of_2(experts))
+
+
+def _check_tiles(tiles: RouteTiles, e_pad: int, blocks: int) -> None:
+    def power_of_two(n: int) -> bool:
+        return n >= 1 and n & (n - 1) == 0
+
+    slice_ = e_pad // tiles.splits if tiles.splits >= 1 else 0
+    if not (power_of_two(tiles.block_t) and power_of_two(tiles.splits) and slice_ >= 1) or (
+        tiles.block_t >= 16 and slice_ < 16
+    ):
+        raise ValueError(
+            f"{tiles} must split {e_pad} padded experts in powers of two (>= 16 per program "
+            "with block_t >= 16)"
+        )
+    if tiles.splits > 1 and blocks > TICKETS:
+        raise ValueError(f"{blocks} token blocks exceed the {TICKETS} tickets of a split launch")
 
 
 def _check(x, gate_weight, moe: MoESpec, bias) -> tuple[int, int, int]:
