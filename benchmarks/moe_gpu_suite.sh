@@ -11,7 +11,8 @@ PY=${PY:-python3}
 gpu_info
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 if has tests; then
-  $PY -m pytest -q -x tests/test_fused_moe.py tests/test_mla_attention.py ${EXTRA_TESTS:-} 2>&1 | tail -15
+  $PY -m pytest -q -x tests/test_fused_moe.py tests/test_moe_routing.py tests/test_mla_attention.py \
+    ${EXTRA_TESTS:-} 2>&1 | tail -15
 fi
 if has moe; then
   $PY benchmarks/bench_moe.py ${MOE_ARGS:-} --out "$OUT/moe.json" 2>&1 | tail -60

@@ -26,7 +26,7 @@ pytest.importorskip("triton")
 
 from common.model.kernels import fused_moe as fm  # noqa: E402
 from common.model.kernels import moe_align as align  # noqa: E402
-from common.model.kernels.fused_moe import GemmTiles, MoEConfig  # noqa: E402
+from common.model.kernels.fused_moe import GemmTiles, GemvConfig, GemvTiles, MoEConfig  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -91,10 +91,9 @@ def test_plan_groups_pairs_by_expert_with_padding_rows_pointing_past_the_pairs(
 def test_multi_program_plan_equals_the_one_program_plan(monkeypatch):
     _, ids = routing(50, 8, 3, used=6, seed=3)
     ids[4, 1] = -1  # dropped pairs too
-    one = fm.moe_align(ids.long(), 8, 16)
-    monkeypatch.setattr(align, "ONE_PROGRAM_PAIRS", 16)
+    one = fm.moe_align(ids.long(), 8, 16, one_program=True)
     monkeypatch.setattr(align, "PAIRS_PER_PROGRAM", 32)
-    many = fm.moe_align(ids, 8, 16)
+    many = fm.moe_align(ids, 8, 16, one_program=False)
     assert_plan_is_sound(many, ids, 8)
     for name in ("sorted_pairs", "block_expert", "pair_rows", "expert_ends"):
         assert torch.equal(getattr(one, name), getattr(many, name)), name
@@ -115,10 +114,13 @@ def test_ids_outside_the_experts_drop_their_pair_everywhere():
         torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
 
 
-# (T, E, k, I, dtype, config): T = 1, 3, 17; some experts get no token; uneven K tiles.
+# (T, E, k, I, dtype, config): T = 1, 3, 17; some experts get no token; uneven K tiles. None
+# picks the GEMVs up to GEMV_MAX_TOKENS tokens, the grouped GEMMs beyond.
 CASES = [
     (1, 4, 2, 32, torch.float32, None),
     (3, 8, 2, 96, torch.float32, None),
+    (3, 8, 2, 96, torch.float32, SMALL_TILES),
+    (6, 8, 2, 64, torch.float32, None),
     (17, 8, 2, 64, torch.float32, SMALL_TILES),
     (17, 4, 2, 96, torch.float32, SMALL_TILES),  # 17 rows on each of two experts
     (1, 8, 2, 96, torch.bfloat16, None),
@@ -134,7 +136,7 @@ def test_triton_path_matches_the_float32_expert_loop(tokens, experts, top_k, int
     torch.testing.assert_close(out.float(), fm.moe_reference(*args).float(), **TOL[dtype])
 
 
-@pytest.mark.parametrize("tokens,experts,top_k,inter,dtype,_", CASES[:2] + CASES[4:])
+@pytest.mark.parametrize("tokens,experts,top_k,inter,dtype,_", CASES[:2] + CASES[6:])
 def test_grouped_mm_path_matches_the_float32_expert_loop(tokens, experts, top_k, inter, dtype, _):
     if CUDA and dtype != torch.bfloat16:
         pytest.skip("grouped_mm runs bf16 only on CUDA")
@@ -144,11 +146,28 @@ def test_grouped_mm_path_matches_the_float32_expert_loop(tokens, experts, top_k,
     torch.testing.assert_close(out.float(), fm.moe_reference(*args).float(), **TOL[dtype])
 
 
-def test_triton_path_is_deterministic_and_takes_int64_ids():
+# Column tiles narrower than the GEMMs', K steps that do not divide H = 72 nor I = 40.
+SMALL_GEMV = GemvConfig(GemvTiles(8, 32, 2, 2), GemvTiles(16, 16, 4, 3), fill_sms=False)
+
+
+@pytest.mark.parametrize("config", [SMALL_TILES, SMALL_GEMV])
+def test_triton_paths_are_deterministic_and_take_int64_ids(config):
     x, w13, w2, weights, ids = operands(17, 8, 2, 64, 32, torch.bfloat16)
-    first = fm.fused_moe_triton(x, w13, w2, weights, ids, config=SMALL_TILES)
-    again = fm.fused_moe_triton(x, w13, w2, weights, ids.long(), config=SMALL_TILES)
+    first = fm.fused_moe_triton(x, w13, w2, weights, ids, config=config)
+    again = fm.fused_moe_triton(x, w13, w2, weights, ids.long(), config=config)
     assert torch.equal(first, again)  # slots summed in a fixed order, no atomics
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_path_sums_each_tokens_slots_and_skips_dropped_pairs(dtype):
+    x, w13, w2, weights, ids = operands(4, 16, 4, 72, 40, dtype, used=12, seed=5)
+    ids[0, 1], ids[3, 3] = -1, 16  # other ranks' experts (expert parallelism)
+    kept = weights.clone()
+    kept[0, 1] = kept[3, 3] = 0.0
+    ref = fm.moe_reference(x, w13, w2, kept, ids.clamp(0, 15))
+    for config in (None, SMALL_GEMV):
+        out = fm.fused_moe_triton(x, w13, w2, weights, ids, config=config)
+        torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
 
 
 def test_auto_is_the_reference_on_cpu_and_no_tokens_give_an_empty_output():
@@ -161,10 +180,14 @@ def test_auto_is_the_reference_on_cpu_and_no_tokens_give_an_empty_output():
 
 def test_configs_split_decode_columns_until_the_sms_are_busy():
     w13 = torch.empty(128, 2 * 768, 2048, device="meta")  # Qwen3-30B-A3B
-    decode = fm.pick_config(1, 8, w13, sms=132)
+    gemv = fm.pick_config(1, 8, w13, sms=132)
+    assert isinstance(gemv, GemvConfig) and fm.GEMV_MAX_TOKENS >= 1
+    assert 8 * -(-768 // gemv.gate_up.block_n) >= 132  # a program per pair and column tile
+    assert 1 * -(-2048 // gemv.down.block_n) >= 132  # a program per token and column tile
+    decode = fm.pick_config(fm.GEMV_MAX_TOKENS + 4, 8, w13, sms=132)
     assert decode.block_m == 16
-    assert 8 * -(-768 // decode.gate_up.block_n) >= 132  # 8 experts touched
-    assert 8 * -(-2048 // decode.down.block_n) >= 132
+    assert 64 * -(-768 // decode.gate_up.block_n) >= 132  # 64 row blocks at most
+    assert 64 * -(-2048 // decode.down.block_n) >= 132
     prefill = fm.pick_config(2048, 8, w13, sms=132)
     assert prefill.block_m == 128 and prefill == fm.MOE_CONFIGS[-1][1]
 
@@ -185,7 +208,7 @@ def test_bad_operands_are_refused_naming_the_values():
         )
 
 
-def test_benchmark_smoke_run_checks_both_paths(tmp_path):
+def test_benchmark_smoke_run_checks_every_path_and_the_whole_layer(tmp_path):
     out = tmp_path / "moe.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
@@ -201,6 +224,12 @@ def test_benchmark_smoke_run_checks_both_paths(tmp_path):
     assert {r["impl"] for r in rows} == {"reference", "grouped_mm", "triton"}
     assert all(r["max_rel_err"] < report["tol"] for r in rows if r["impl"] != "reference")
     assert all(r["touched_experts"] >= 1 and r["floor_us"] > 0 for r in rows)
+    pieces = report["layer_rows"]  # the whole layer with either router, and each router alone
+    assert {r["impl"] for r in pieces} == {
+        f"{kind}[{router} router]" for kind in ("router", "layer") for router in ("torch", "fused")
+    }
+    assert all(r["ids_match"] == 1.0 for r in pieces)
+    assert all(r["max_rel_err"] < report["tol"] for r in pieces if r["kind"] == "layer")
 
 
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -217,7 +246,7 @@ def qwen3_weights():
 
 
 @gpu
-@pytest.mark.parametrize("tokens", [1, 32, 2048])
+@pytest.mark.parametrize("tokens", [1, 4, 32, 128, 2048])
 @pytest.mark.parametrize("impl", ["triton", "grouped_mm"])
 def test_gpu_paths_match_the_reference_at_qwen3_moe_shapes(qwen3_weights, tokens, impl):
     w13, w2 = qwen3_weights
@@ -237,7 +266,7 @@ def test_grouped_mm_refuses_dtypes_that_would_sync_on_cuda():
 
 
 @gpu
-@pytest.mark.parametrize("tokens", [32, 2048])  # the plan in one launch, and in three
+@pytest.mark.parametrize("tokens", [2, 32, 2048])  # GEMVs; the plan in one launch, in three
 @pytest.mark.parametrize("impl", ["triton", "grouped_mm"])
 def test_gpu_paths_replay_in_a_cuda_graph_with_new_routing(qwen3_weights, tokens, impl):
     w13, w2 = qwen3_weights

@@ -11,7 +11,8 @@ Implementations (`experts_forward` dispatches):
 - `fused_moe_triton`: a plan (`moe_align`), GEMM1 (x rows gathered by the plan, times the
   expert's gate and up tiles, SiLU(gate) * up in the epilogue), GEMM2 (times w2[e], the routing
   weight in the epilogue), then each token's k rows summed in slot order by one kernel:
-  deterministic, no atomics. 4 launches up to `ONE_PROGRAM_PAIRS` pairs, 6 beyond.
+  deterministic, no atomics. 4 launches up to `ONE_PROGRAM_PAIRS` pairs, 6 beyond. Up to
+  `GEMV_MAX_TOKENS` tokens (a `GemvConfig`): `fused_moe_gemv`'s two GEMV launches instead.
 - `fused_moe_grouped_mm`: the plan with block_m = 1, x rows gathered, `torch._grouped_mm`,
   SiLU-and-mul, `torch._grouped_mm`, the weighted sum. On CUDA bf16 only (sm90 / sm100 CUTLASS;
   other dtypes take torch's fallback, which syncs on `offs`); on CPU any float dtype.
@@ -30,6 +31,13 @@ import torch.nn.functional as F
 import triton
 
 from common.model.kernels import fused_ops
+from common.model.kernels.fused_moe_gemv import (
+    GEMV_CONFIG,
+    GemvConfig,
+    GemvTiles,
+    fused_moe_gemv,
+    narrowed,
+)
 from common.model.kernels.fused_moe_kernels import (
     down_kernel,
     gate_up_kernel,
@@ -40,10 +48,13 @@ from common.model.kernels.moe_align import ONE_PROGRAM_PAIRS, MoEPlan, moe_align
 
 __all__ = [
     "AUTO_IMPL",
+    "GEMV_MAX_TOKENS",
     "IMPLS",
     "MOE_CONFIGS",
     "ONE_PROGRAM_PAIRS",
     "GemmTiles",
+    "GemvConfig",
+    "GemvTiles",
     "MoEConfig",
     "MoEPlan",
     "experts_forward",
@@ -82,6 +93,9 @@ MOE_CONFIGS: tuple[tuple[float, MoEConfig], ...] = (
     (64, MoEConfig(64, GemmTiles(128, 64, 8, 4), GemmTiles(128, 64, 8, 4))),
     (float("inf"), MoEConfig(128, GemmTiles(128, 64, 8, 3), GemmTiles(256, 64, 8, 3))),
 )
+# Up to this many tokens the experts run as GEMVs (`GEMV_CONFIG`): each pair reads its expert's
+# weights itself, which costs nothing while the pairs of a step rarely share an expert.
+GEMV_MAX_TOKENS = 4
 # "auto" on CUDA: triton, but cuBLAS's grouped GEMM once experts are big and full: in that run
 # it beat the best triton tiles only on Mixtral (intermediate 14336) from 512 rows per expert
 # (2731 against 2958 us at 2048 tokens); triton led everywhere else, by x1.5-1.9 at decode sizes.
@@ -90,12 +104,16 @@ GROUPED_MM_MIN_INTERMEDIATE = 8192
 IMPLS = ("auto", "triton", "grouped_mm", "reference")
 
 
-def pick_config(num_tokens: int, top_k: int, w13: torch.Tensor, sms: int = 132) -> MoEConfig:
-    """The table's entry for T * k / E rows per expert; with `fill_sms`, block_n halved while
-    the programs of the row blocks that hold pairs (at least one per touched expert) number
-    fewer than `sms`."""
+def pick_config(
+    num_tokens: int, top_k: int, w13: torch.Tensor, sms: int = 132
+) -> MoEConfig | GemvConfig:
+    """`GEMV_CONFIG` up to `GEMV_MAX_TOKENS` tokens, else the table's entry for T * k / E rows
+    per expert; with `fill_sms`, block_n halved while the programs (of the row blocks that hold
+    pairs: at least one per touched expert) number fewer than `sms`."""
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     hidden = w13.shape[2]
+    if num_tokens <= GEMV_MAX_TOKENS:
+        return narrowed(GEMV_CONFIG, num_tokens * top_k, num_tokens, inter, hidden, sms)
     per_expert = num_tokens * top_k / num_experts
     config = next(c for top, c in MOE_CONFIGS if per_expert <= top)
     if not config.fill_sms:
@@ -154,19 +172,22 @@ def fused_moe_triton(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    config: MoEConfig | None = None,
+    config: MoEConfig | GemvConfig | None = None,
 ) -> torch.Tensor:
-    """`out` by the Triton grouped GEMMs; `config` None picks `pick_config`'s."""
+    """`out` by the Triton grouped GEMMs (or GEMVs); `config` None picks `pick_config`'s."""
     tokens, hidden, num_experts, inter, top_k = _check(x, w13, w2, topk_weights, topk_ids)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     if tokens == 0:
         return out
     if config is None:
         config = pick_config(tokens, top_k, w13, _sm_count(x.device))
+    x = x if x.stride(1) == 1 else x.contiguous()
+    if isinstance(config, GemvConfig):
+        fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, config, out)
+        return out
     if config.block_m < 16 or config.block_m & (config.block_m - 1):
         raise ValueError(f"block_m must be a power of two >= 16, got {config.block_m}")
     plan = moe_align(topk_ids, num_experts, config.block_m)
-    x = x if x.stride(1) == 1 else x.contiguous()
     h = torch.empty(plan.num_rows, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(plan.num_rows, hidden, dtype=x.dtype, device=x.device)
     common = dict(

@@ -9,8 +9,9 @@ the device, so building a plan never syncs with the host and is CUDA-graph captu
 An id outside [0, E) (e.g. -1 for an expert that lives on another rank) drops its pair: it has
 no row and `pair_rows` holds -1 for it.
 
-One program does everything up to `ONE_PROGRAM_PAIRS` pairs (decode: one launch); beyond, three
-launches: per-program expert counts, one program for the offsets, per-program placement.
+One program of `ONE_PROGRAM_WARPS` warps does everything up to `ONE_PROGRAM_PAIRS` pairs
+(decode: one launch); beyond, three launches: per-program expert counts, one program for the
+offsets, per-program placement.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-ONE_PROGRAM_PAIRS = 256  # up to this many pairs one launch builds the plan (T = 32 at k = 8)
+ONE_PROGRAM_PAIRS = 1024  # up to this many pairs one launch builds the plan (T = 128 at k = 8)
+ONE_PROGRAM_WARPS = 8
 PAIRS_PER_PROGRAM = 256  # beyond: pairs each counting / placing program owns
 _TILE = 1024  # rows per store when filling the tail past the last expert
 
@@ -58,8 +60,11 @@ def max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(rows, block_m) * block_m
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEPlan:
-    """The plan of `topk_ids` [T, k] (int32 or int64) over `num_experts` experts."""
+def moe_align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, one_program: bool | None = None
+) -> MoEPlan:
+    """The plan of `topk_ids` [T, k] (int32 or int64) over `num_experts` experts, in one launch
+    or three (`one_program` None: one up to `ONE_PROGRAM_PAIRS` pairs)."""
     if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"topk_ids must be [T, k] int32 or int64, got {topk_ids.dtype} {tuple(topk_ids.shape)}"
@@ -83,10 +88,13 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEPlan
     sub = max(16, min(128, 8192 // e_pad))  # [SUB, E_PAD] one-hot tiles of <= 8192 ints
     tiles = dict(E_PAD=e_pad, BLOCK_M=block_m, BM_PAD=triton.next_power_of_2(block_m), BT=sub)
     layout = (plan.sorted_pairs, plan.expert_ends, plan.block_expert, num_pairs, blocks)
-    if num_pairs <= ONE_PROGRAM_PAIRS:
+    if one_program is None:
+        one_program = num_pairs <= ONE_PROGRAM_PAIRS
+    if one_program:
         _align_kernel[(1,)](
-            ids, plan.pair_rows, *layout, rows, num_experts, **tiles, SUB=sub, TILE=_TILE
-        )
+            ids, plan.pair_rows, *layout, rows, num_experts, **tiles, SUB=sub, TILE=_TILE,
+            num_warps=ONE_PROGRAM_WARPS,
+        )  # fmt: skip
         return plan
     programs = triton.cdiv(num_pairs, PAIRS_PER_PROGRAM)
     partial = torch.empty(programs, e_pad, dtype=torch.int32, device=device)

@@ -34,8 +34,10 @@ GATE, UP = 0, 1  # shard ids of the gate_up_proj halves
 
 
 class Router(nn.Module):
-    """The gate: `weight` [experts, hidden] (kept whole on every rank, computed in float32),
-    plus DeepSeek-V3's `e_score_correction_bias`."""
+    """The gate: `weight` [experts, hidden] (kept whole on every rank, logits accumulated in
+    float32), plus DeepSeek-V3's `e_score_correction_bias`. On CUDA one fused kernel
+    (`common.model.kernels.moe_router.route`) computes the logits and the choice; elsewhere
+    torch's float32 matmul and `select_experts`."""
 
     def __init__(self, moe: MoESpec, hidden_size: int) -> None:
         super().__init__()
@@ -49,6 +51,10 @@ class Router(nn.Module):
             self.register_parameter("e_score_correction_bias", None)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.is_cuda:
+            from common.model.kernels.moe_router import route
+
+            return route(x, self.weight, self.moe, self.e_score_correction_bias)
         logits = F.linear(x.float(), self.weight.float())
         return select_experts(logits, self.moe, self.e_score_correction_bias)
 
