@@ -238,12 +238,16 @@ def test_tensor_parallel_2_equals_1(v3):
     assert got == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
 
 
-@pytest.mark.parametrize("mode", ["decompressed", "auto"])
-def test_decompressed_prefill_gives_hf_output_with_prefix_hits_and_chunks(v3, mode, monkeypatch):
+@pytest.mark.parametrize("mode,graphs", [("decompressed", False), ("auto", False),
+                                         ("decompressed", True)])  # fmt: skip
+def test_decompressed_prefill_gives_hf_output_with_prefix_hits_and_chunks(
+    v3, mode, graphs, monkeypatch
+):
     """--mla-prefill decompressed: every prefill chunk attends over per-head K and V rebuilt
     from the cached latents. "auto" with a 16-token threshold: in the same steps long chunks
     run decompressed, short ones and decode rows absorbed. Prompts around block boundaries,
-    then a prefix-cache hit whose 60 new tokens run as two chunks (40-token budget)."""
+    then a prefix-cache hit whose 60 new tokens run as two chunks (40-token budget); `graphs`:
+    through the piecewise prefill graphs' buffers (on CPU, run eagerly)."""
     monkeypatch.setattr(mla_prefill, "AUTO_DECOMPRESS", mla_prefill.DecompressRule(16, 1 << 20))
     calls = {"absorbed_sequence": 0, "decompressed_sequence": 0}
     for name in calls:  # count the torch backend's calls of each form, which still run
@@ -257,6 +261,8 @@ def test_decompressed_prefill_gives_hf_output_with_prefix_hits_and_chunks(v3, mo
     hf, folder = v3
     llm = LLM(folder, mla_prefill=mode, kv_cache_memory_bytes=KV_BYTES, **OPTIONS)
     assert llm.engine.worker.backend.mla_prefill == mode
+    if graphs:
+        llm.engine.worker.runner.capture_prefill_graphs(64)
     prompts = [random_prompt(n, seed=n) for n in (1, 17, 33, 100)]
     for prompt, out in zip(prompts, llm.generate(prompts, greedy()), strict=True):
         assert out.token_ids == hf_greedy(hf, prompt, NEW_TOKENS), len(prompt)
@@ -268,6 +274,9 @@ def test_decompressed_prefill_gives_hf_output_with_prefix_hits_and_chunks(v3, mo
     assert out.token_ids == hf_greedy(hf, second, NEW_TOKENS)
     assert calls["decompressed_sequence"] > 0
     assert (calls["absorbed_sequence"] > 0) == (mode == "auto")
+    assert (llm.engine.worker.runner.prefill_graphs is not None) == graphs
+    if graphs:
+        assert llm.engine.worker.runner.prefill_graphs.launches > 0
 
 
 def test_draft_model_speculation_is_refused_for_latent_attention(v3):

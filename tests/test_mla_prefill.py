@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -160,3 +164,30 @@ def test_gpu_bf16_forms_agree_at_deepseek_v2_lite_widths_after_a_long_prefix():
     for mode in ("absorbed", "decompressed", "auto"):
         out = create_backend("triton", mode).latent_prefill(q_nope, q_pe, proj, cache, md, scale)
         torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_prefill_benchmark_smoke_run_times_and_checks_both_forms(tmp_path):
+    out = tmp_path / "mla_prefill.json"
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "bench_mla_prefill.py"), "--smoke",
+         "--out", str(out)],
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    cases = [(p, c) for c in (0, 24) for p in (16, 40)]
+    for part in ("layer", "engine"):
+        assert [(r["prompt"], r["prefix"]) for r in report[part]] == cases
+        assert all(r["absorbed_ms"] > 0 and r["decompressed_ms"] > 0 for r in report[part])
+    for r in report["layer"]:
+        assert r["rel_err"] < 3e-2 and r["rebuild_ms"] > 0 and r["attn_padded_ms"] > 0
+    # 40 new tokens after 24: 1780 pairs x 4 heads x (2 (512 + 64) + 2 x 512), plus W_UK and
+    # W_UV (2 x 512 x (32 + 32) a token and head) for the 40 new tokens, or the 64 rebuilt.
+    last = report["layer"][-1]
+    assert last["absorbed_flops"] == 4 * (1780 * 2176 + 40 * 65536)
+    assert last["decompressed_flops"] == 4 * (1780 * (2 * 96 + 2 * 32) + 64 * 65536)
+    assert all(r["same_first_token"] for r in report["engine"])

@@ -83,14 +83,22 @@ def decompressed_sequence(
     scale: float,
 ) -> torch.Tensor:
     """One sequence's new tokens (q_nope [n, H, Dn], q_pe [n, H, Dr]), the last n of its
-    context, whose rows `[latent | k_pe]` are `rows` [S, Dc + Dr] -> [n, H, Dv] in q's dtype:
-    K = [latent W_UK per head | k_pe shared by every head], V = latent W_UV."""
-    dc = proj.w_uk.shape[2]
-    rows = rows.to(q_nope.dtype)
-    k_nope, values = proj.decompress(rows[:, :dc])  # [H, S, Dn], [H, S, Dv]
-    keys = torch.cat((k_nope, rows[:, dc:].expand(k_nope.shape[0], -1, -1)), dim=-1)
+    context, whose rows `[latent | k_pe]` are `rows` [S, Dc + Dr] -> [n, H, Dv] in q's dtype."""
+    keys, values = rebuild_kv(rows, proj, q_nope.dtype)
     query = torch.cat((q_nope, q_pe), dim=-1).transpose(0, 1)
     return dense_causal_attention(query, keys, values, scale).transpose(0, 1)
+
+
+def rebuild_kv(
+    rows: torch.Tensor, proj: LatentProjection, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Context rows [S, Dc + Dr] -> K [H, S, Dn + Dr] = [latent W_UK per head | k_pe, shared by
+    every head] and V [H, S, Dv] = latent W_UV, in `dtype`."""
+    dc = proj.w_uk.shape[2]
+    rows = rows.to(dtype)
+    k_nope, values = proj.decompress(rows[:, :dc])
+    keys = torch.cat((k_nope, rows[:, dc:].expand(k_nope.shape[0], -1, -1)), dim=-1)
+    return keys, values
 
 
 def dense_causal_attention(
