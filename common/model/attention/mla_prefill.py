@@ -1,13 +1,14 @@
 """MLA prefill in decompressed form, and which prefill sequences run it (`mla_prefill` mode).
 
-Absorbed (the kernels' form): each (query, key) pair costs, per head, 2 (Dc + Dr) + 2 Dc
-FLOPs over the latent rows (2176 for DeepSeek: Dc = kv_lora_rank 512, Dr = rope 64).
-Decompressed (HF's form): every context token's latent is first rebuilt into each head's key
-and value (`LatentProjection.decompress`, 2 Dc (Dn + Dv) FLOPs per token and head), then a
-pair costs 2 (Dn + Dr) + 2 Dv (640 for DeepSeek-V2-Lite's Dn = Dv = 128). The rebuild grows
-with the context, the saving with the context times the new tokens, so per sequence it pays
-once its chunk has about 2 Dc (Dn + Dv) / 1536 ~ 170 new tokens, whatever the context. Decode
-rows and short chunks stay absorbed (`AUTO_DECOMPRESS`).
+Per head, with R = 2 Dc (Dn + Dv) the FLOPs of one token through kv_b_proj (262144 for
+DeepSeek-V2-Lite: Dc = kv_lora_rank 512, Dr = rope 64, Dn = Dv = 128):
+- absorbed (the kernels' form): 2 (Dc + Dr) + 2 Dc = 2176 per (query, visible key) pair over
+  the latent rows, plus R per new token (W_UK into q, W_UV after);
+- decompressed (HF's form): R per context token to rebuild its key and value
+  (`LatentProjection.decompress`), then 2 (Dn + Dr) + 2 Dv = 640 per pair.
+A chunk of P new tokens after C cached ones saves 1536 P (C + P / 2) and pays R C more: a fresh
+prompt is cheaper decompressed at any length, a chunk behind a long prefix from P ~ R / 1536 ~
+170. Decode rows and short chunks stay absorbed (`AUTO_DECOMPRESS`).
 
 Contract: `decompressed_sequence` runs eagerly on host lengths (shapes follow the sequence),
 which the prefill graphs allow (attention runs between captured pieces). It materialises the
@@ -40,9 +41,10 @@ class DecompressRule:
         return query_len >= self.min_query_tokens and heads * seq_len <= self.max_context_rows
 
 
-# The "auto" table. 256 new tokens: above the FLOP break-even (~170, module docstring) since
-# the rebuild also gathers and copies the context; to be set from bench_mla_prefill.py on the
-# GPU. 2^20 rows bound one sequence's K and V at ~1 GiB in bf16 (64k tokens at 16 heads).
+# The "auto" table. 256 new tokens: above the break-even behind a long prefix (~170, module
+# docstring), since the rebuild also gathers and copies the context; to be set from
+# bench_mla_prefill.py on the GPU. 2^20 rows bound one sequence's K and V at ~1 GiB in bf16
+# (64k tokens at 16 heads).
 AUTO_DECOMPRESS = DecompressRule(min_query_tokens=256, max_context_rows=1 << 20)
 
 # Torch's flash kernel needs one head dim for q, k and v: padding V to q's (128 -> 192, +20%
