@@ -1,6 +1,7 @@
 """Tiny random DeepSeek-V2 and -V3 models (multi-head latent attention, a paged latent KV
 cache, experts with shared experts) built by transformers and saved with `save_pretrained`
-(published tensor names): greedy output equals HF `generate()` in fp32.
+(published tensor names): greedy output equals HF `generate()` in fp32, with MLA's prefill in
+either form (`--mla-prefill`).
 
 The cache holds the real models' 576 values per token per layer (kv_lora_rank 512 + rope 64),
 one plane; everything else is tiny. One engine per model runs every prompt with a 40-token
@@ -30,7 +31,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
 from common import LLM, SamplingParams  # noqa: E402
 from common.engine.kv_cache import block_bytes  # noqa: E402
-from common.model.attention import create_backend  # noqa: E402
+from common.model.attention import create_backend, mla_prefill, torch_backend  # noqa: E402
 from common.model.attention.base import AttentionMetadata, LatentProjection  # noqa: E402
 from common.model.attention.selection import choose_backend  # noqa: E402
 from common.model.layers.basic import rope_inv_freq  # noqa: E402
@@ -237,6 +238,47 @@ def test_tensor_parallel_2_equals_1(v3):
     assert got == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
 
 
+@pytest.mark.parametrize("mode,graphs", [("decompressed", False), ("auto", False),
+                                         ("decompressed", True)])  # fmt: skip
+def test_decompressed_prefill_gives_hf_output_with_prefix_hits_and_chunks(
+    v3, mode, graphs, monkeypatch
+):
+    """--mla-prefill decompressed: every prefill chunk attends over per-head K and V rebuilt
+    from the cached latents. "auto" with a 16-token threshold: in the same steps long chunks
+    run decompressed, short ones and decode rows absorbed. Prompts around block boundaries,
+    then a prefix-cache hit whose 60 new tokens run as two chunks (40-token budget); `graphs`:
+    through the piecewise prefill graphs' buffers (on CPU, run eagerly)."""
+    monkeypatch.setattr(mla_prefill, "AUTO_DECOMPRESS", mla_prefill.DecompressRule(16, 1 << 20))
+    calls = {"absorbed_sequence": 0, "decompressed_sequence": 0}
+    for name in calls:  # count the torch backend's calls of each form, which still run
+        form = getattr(torch_backend, name)
+
+        def counted(*args, _form=form, _name=name):
+            calls[_name] += 1
+            return _form(*args)
+
+        monkeypatch.setattr(torch_backend, name, counted)
+    hf, folder = v3
+    llm = LLM(folder, mla_prefill=mode, kv_cache_memory_bytes=KV_BYTES, **OPTIONS)
+    assert llm.engine.worker.backend.mla_prefill == mode
+    if graphs:
+        llm.engine.worker.runner.capture_prefill_graphs(64)
+    prompts = [random_prompt(n, seed=n) for n in (1, 17, 33, 100)]
+    for prompt, out in zip(prompts, llm.generate(prompts, greedy()), strict=True):
+        assert out.token_ids == hf_greedy(hf, prompt, NEW_TOKENS), len(prompt)
+    shared = random_prompt(48, seed=7)
+    llm.generate(shared + random_prompt(5, seed=8), greedy())
+    second = shared + random_prompt(60, seed=9)
+    out = llm.generate(second, greedy())[0]
+    assert out.num_cached_tokens >= 48
+    assert out.token_ids == hf_greedy(hf, second, NEW_TOKENS)
+    assert calls["decompressed_sequence"] > 0
+    assert (calls["absorbed_sequence"] > 0) == (mode == "auto")
+    assert (llm.engine.worker.runner.prefill_graphs is not None) == graphs
+    if graphs:
+        assert llm.engine.worker.runner.prefill_graphs.launches > 0
+
+
 def test_draft_model_speculation_is_refused_for_latent_attention(v3):
     _, folder = v3
     with pytest.raises(ValueError, match="speculative_method=draft.*DeepseekV3ForCausalLM"):
@@ -323,18 +365,19 @@ def on(device: str, value):
     return value
 
 
+@pytest.mark.parametrize("mode", ["absorbed", "decompressed"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_absorbed_latent_attention_equals_decompressed_attention(backend):
-    """Prefill (a fresh sequence and one over cached latents), then each sequence's next token
-    as a decode row: the backend's absorbed form against per-head keys and values. Triton runs
-    on the GPU where there is one, in the interpreter elsewhere."""
+def test_latent_attention_in_either_prefill_form_equals_per_head_attention(backend, mode):
+    """Prefill (a fresh sequence and one over cached latents) in the `mla_prefill` form, then
+    each sequence's next token as a decode row (absorbed): against per-head keys and values.
+    Triton runs on the GPU where there is one, in the interpreter elsewhere."""
     if backend == "triton":
         pytest.importorskip("triton")
         pytest.importorskip("common.model.kernels.mla_attention")
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     proj, cache, metadata, tokens, cached = latent_case()
     scale = 0.1
-    attention = create_backend(backend)
+    attention = create_backend(backend, mode)
     args = on(device, (tokens, proj, cache, metadata))
     out = attention.latent_forward(*args[0][:2], *args[0][2:], *args[1:], scale).cpu()
     want = decompressed_attention(proj, metadata, tokens, cached, scale)

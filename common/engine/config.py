@@ -16,6 +16,8 @@ from typing import Any
 from common.model.quantization.config import QUANTIZATION_CHOICES
 
 KV_CACHE_DTYPES = ("auto", "fp8")
+# `common.model.attention.base.MLA_PREFILL_MODES`, which imports torch; a test keeps them equal.
+MLA_PREFILL_MODES = ("auto", "absorbed", "decompressed")
 
 
 @dataclass(frozen=True)
@@ -197,6 +199,17 @@ class EngineConfig:
             "choices": ("auto", "torch", "triton", "flash_attn"),
         },
     )
+    mla_prefill: str = field(
+        default="auto",
+        metadata={
+            "help": "DeepSeek (MLA) prefill steps: absorbed (attention over the cached latent "
+            "rows, as decode), decompressed (each head's K and V rebuilt from the latents: "
+            "~3.4x fewer attention FLOPs, plus a GEMM per context token), or auto (per "
+            "sequence: decompressed for long chunks, common.model.attention.mla_prefill."
+            "AUTO_DECOMPRESS). Other models ignore it",
+            "choices": MLA_PREFILL_MODES,
+        },
+    )
     tp: int = field(
         default=1,
         metadata={
@@ -234,6 +247,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.mla_prefill not in MLA_PREFILL_MODES:
+            raise ValueError(
+                f"mla_prefill must be one of {MLA_PREFILL_MODES}, got {self.mla_prefill!r}"
+            )
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:

@@ -196,7 +196,7 @@ class Worker:
             latent=self.spec.mla is not None,
         )  # fmt: skip
         log.info("attention backend: %s (%s)", backend_name, why)
-        self.backend = create_backend(backend_name)
+        self.backend = create_backend(backend_name, config.mla_prefill)
         self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
         num_blocks = self.tp.min_int(self._size_kv_cache(max_len))
         k_scales, v_scales = _kv_scales(self.model)

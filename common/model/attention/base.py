@@ -12,7 +12,9 @@ at `slot_mapping` and returns each query head's attention output in value space.
 the absorbed form: the key projection is folded into the query (`LatentProjection.absorb`),
 attention runs over the latent rows themselves, the value projection is applied after
 (`LatentProjection.expand`). Prefill gets the unabsorbed query and the projection, so a
-backend may run it absorbed (as the torch and triton backends do) or rebuild K and V.
+backend may run it absorbed or rebuild each head's K and V (`LatentProjection.decompress`):
+the torch and triton backends choose per sequence as their `mla_prefill` mode says
+(`MLA_PREFILL_MODES`; the rule and the decompressed form in `mla_prefill`).
 
 FP8 KV: a `torch.float8_e4m3fn` cache stores `clamp(x / scale, -448, 448)` rounded to nearest
 even (`common.model.quantization.fp8_ops.quantize`) and reads as `stored.float() * scale`, with
@@ -27,6 +29,18 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+# How a prefill (or mixed) step runs MLA: "absorbed" (every sequence over the latent rows),
+# "decompressed" (every sequence over rebuilt per-head K and V) or "auto" (per sequence, by
+# `mla_prefill.AUTO_DECOMPRESS`). Decode-only steps always run absorbed. `EngineConfig` lists
+# the same names (torch-free, it cannot import this module).
+MLA_PREFILL_MODES = ("auto", "absorbed", "decompressed")
+
+
+def check_mla_prefill(mode: str) -> str:
+    if mode not in MLA_PREFILL_MODES:
+        raise ValueError(f"mla_prefill must be one of {MLA_PREFILL_MODES}, got {mode!r}")
+    return mode
 
 
 @dataclass
@@ -81,6 +95,13 @@ class LatentProjection:
         """Attention over latent rows [T, heads, kv_lora_rank] -> over values [T, heads, v]."""
         return torch.bmm(out.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)
 
+    def decompress(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent rows [S, kv_lora_rank] -> every head's non-rotary keys [heads, S, qk_nope]
+        and values [heads, S, v] (the unabsorbed form), heads first as attention reads them."""
+        rows = latent.expand(self.w_uk.shape[0], *latent.shape)  # one latent, every head
+        keys = torch.bmm(rows, self.w_uk.transpose(1, 2))
+        return keys, torch.bmm(rows, self.w_uv.transpose(1, 2))
+
 
 class AttentionBackend(Protocol):
     """One implementation per kernel family (torch reference, triton, flash_attn)."""
@@ -118,9 +139,13 @@ class DecodeOrPrefillBackend:
     """A backend with one kernel path per batch kind: it writes the new k/v into the cache,
     then runs `decode` on a decode-only batch (one query row per sequence; rows past the
     batch's sequences are padding) and `prefill` on any other. Both return [T, heads, d]
-    with padding rows zeroed."""
+    with padding rows zeroed. `mla_prefill` (`MLA_PREFILL_MODES`) is the form its
+    `latent_prefill` runs."""
 
     name: str
+
+    def __init__(self, mla_prefill: str = "auto") -> None:
+        self.mla_prefill = check_mla_prefill(mla_prefill)
 
     def forward(
         self,

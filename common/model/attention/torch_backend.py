@@ -3,8 +3,11 @@
 Decode-only batches gather every sequence's blocks into one padded tensor; batches with
 prefill tokens loop over sequences with an explicit causal mask offset by the cached context.
 An FP8 cache (contract in `base`) is dequantized to fp32 after the gather and attended in fp32.
-MLA runs the absorbed form in fp32 for decode and prefill alike: a query row is
-[q_nope W_UK | q_pe] against cached [latent | k_pe] rows, the values are the latents.
+MLA runs the absorbed form in fp32 for decode: a query row is [q_nope W_UK | q_pe] against
+cached [latent | k_pe] rows, the values are the latents. Prefill runs each sequence in the form
+`mla_prefill` picks (`mla_prefill.decompressed_sequences`): absorbed as decode does, or
+decompressed (`mla_prefill.decompressed_sequence`, in q's dtype), the CPU reference of the
+triton backend's.
 """
 
 from __future__ import annotations
@@ -16,6 +19,11 @@ from common.model.attention.base import (
     AttentionMetadata,
     DecodeOrPrefillBackend,
     LatentProjection,
+)
+from common.model.attention.mla_prefill import (
+    context_rows,
+    decompressed_sequence,
+    decompressed_sequences,
 )
 from common.model.quantization.fp8_ops import FP8, quantize
 
@@ -156,22 +164,39 @@ class TorchAttentionBackend(DecodeOrPrefillBackend):
         self, q_nope, q_pe, proj: LatentProjection, cache, metadata: AttentionMetadata,
         scale: float, kv_scale: float = 1.0,
     ):  # fmt: skip
-        q_abs = proj.absorb(q_nope)
-        out = torch.zeros(q_abs.shape, dtype=q_abs.dtype, device=q_abs.device)
+        decompressed = set(decompressed_sequences(self.mla_prefill, metadata, q_nope.shape[1]))
+        out = q_nope.new_zeros(*q_nope.shape[:2], proj.w_uv.shape[1])
         start = 0
         for i, (q_len, ctx_len) in enumerate(
             zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True)
         ):
-            rows = gather_context(cache, metadata.block_tables[i], ctx_len).flatten(1)
-            rows = dequantize(rows, kv_scale).float()  # [ctx_len, latent + rope]
             part = slice(start, start + q_len)
-            query = torch.cat((q_abs[part], q_pe[part]), dim=-1).float()
-            scores = torch.einsum("qhd,sd->hqs", query, rows) * scale
-            # Query j sits at absolute position ctx_len - q_len + j and sees keys up to it.
-            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q_abs.device)
-            k_pos = torch.arange(ctx_len, device=q_abs.device)
-            scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-            latent = rows[:, : q_abs.shape[-1]]
-            out[part] = torch.einsum("hqs,sl->qhl", scores.softmax(-1), latent).to(out.dtype)
+            rows = context_rows(cache, metadata.block_tables[i], ctx_len, kv_scale)
+            if i in decompressed:
+                out[part] = decompressed_sequence(q_nope[part], q_pe[part], proj, rows, scale)
+            else:
+                out[part] = absorbed_sequence(q_nope[part], q_pe[part], proj, rows, scale)
             start += q_len
-        return proj.expand(out)
+        return out
+
+
+def absorbed_sequence(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    proj: LatentProjection,
+    rows: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`mla_prefill.decompressed_sequence`'s contract in absorbed form, attended in fp32."""
+    q_abs = proj.absorb(q_nope)
+    rows = rows.float()
+    query = torch.cat((q_abs, q_pe), dim=-1).float()
+    scores = torch.einsum("qhd,sd->hqs", query, rows) * scale
+    # Query j sits at absolute position ctx_len - q_len + j and sees keys up to it.
+    q_len, ctx_len = q_nope.shape[0], rows.shape[0]
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=rows.device)
+    k_pos = torch.arange(ctx_len, device=rows.device)
+    scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    latent = rows[:, : q_abs.shape[-1]]
+    out = torch.einsum("hqs,sl->qhl", scores.softmax(-1), latent).to(q_abs.dtype)
+    return proj.expand(out)

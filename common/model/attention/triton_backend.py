@@ -9,10 +9,15 @@ allocates nothing. Calls run in stream order, so one buffer serves every layer. 
 (contract in `base`) are written and read by the same kernels with the layer's scales.
 `metadata.decode_groups` makes a verify step's rows of one sequence read its KV once.
 MLA runs `common.model.kernels.mla_attention` (absorbed decode and prefill, imported on first
-use); its decode keeps split scratch buffers under the same contract.
+use); its decode keeps split scratch buffers under the same contract. A prefill step's sequences
+that `mla_prefill` decompresses run `mla_prefill.decompressed_sequence` (torch ops: gather, the
+kv_b_proj GEMMs, SDPA); the others run the absorbed kernel, as a compact batch of their own when
+the step has both kinds (`mla_prefill.compact_batch`, built once per step).
 """
 
 from __future__ import annotations
+
+from itertools import accumulate
 
 import torch
 
@@ -20,6 +25,12 @@ from common.model.attention.base import (
     AttentionMetadata,
     DecodeOrPrefillBackend,
     LatentProjection,
+)
+from common.model.attention.mla_prefill import (
+    compact_batch,
+    context_rows,
+    decompressed_sequence,
+    decompressed_sequences,
 )
 from common.model.kernels.fused_ops import write_kv
 from common.model.kernels.paged_attention import (
@@ -33,10 +44,15 @@ from common.model.kernels.paged_attention import (
 class TritonAttentionBackend(DecodeOrPrefillBackend):
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, mla_prefill: str = "auto") -> None:
+        super().__init__(mla_prefill)
         # (num_seqs, num_heads, num_splits, head_dim, device) -> scratch; owned for the
         # backend's lifetime because captured graphs keep pointers into it.
         self._scratch: dict[tuple[int, int, int, int, torch.device], DecodeScratch] = {}
+        # The last prefill step's split into forms: (its metadata, decompressed sequences,
+        # the absorbed ones' rows and compact metadata, or None). A step's layers share one
+        # metadata object, built per step and never modified (`ModelRunner.metadata`).
+        self._split: tuple[AttentionMetadata, list[int], tuple | None] | None = None
 
     write_kv = staticmethod(write_kv)
 
@@ -133,6 +149,39 @@ class TritonAttentionBackend(DecodeOrPrefillBackend):
         self, q_nope, q_pe, proj: LatentProjection, cache, metadata: AttentionMetadata,
         scale: float, kv_scale: float = 1.0,
     ):  # fmt: skip
+        decompressed, absorbed = self._split_forms(metadata, q_nope.shape[1])
+        if not decompressed:
+            return self._absorbed(q_nope, q_pe, proj, cache, metadata, scale, kv_scale)
+        out = torch.empty(*q_nope.shape[:2], proj.w_uv.shape[1], dtype=q_nope.dtype,
+                          device=q_nope.device)  # fmt: skip
+        starts = list(accumulate(metadata.query_lens_cpu, initial=0))
+        if starts[-1] < out.shape[0]:  # padding tokens after the last sequence
+            out[starts[-1] :].zero_()
+        if absorbed is not None:
+            rows, part = absorbed
+            got = self._absorbed(q_nope[rows], q_pe[rows], proj, cache, part, scale, kv_scale)
+            out.index_copy_(0, rows, got)
+        for i in decompressed:
+            seq = slice(starts[i], starts[i + 1])
+            context = context_rows(cache, metadata.block_tables[i], metadata.seq_lens_cpu[i],
+                                   kv_scale)  # fmt: skip
+            out[seq] = decompressed_sequence(q_nope[seq], q_pe[seq], proj, context, scale)
+        return out
+
+    def _split_forms(
+        self, metadata: AttentionMetadata, heads: int
+    ) -> tuple[list[int], tuple[torch.Tensor, AttentionMetadata] | None]:
+        """(decompressed sequences, the absorbed ones' (rows, metadata) when some of each)."""
+        if self._split is None or self._split[0] is not metadata:
+            decompressed = decompressed_sequences(self.mla_prefill, metadata, heads)
+            mixed = 0 < len(decompressed) < metadata.num_seqs
+            absorbed = compact_batch(metadata, decompressed) if mixed else None
+            self._split = (metadata, decompressed, absorbed)
+        return self._split[1], self._split[2]
+
+    @staticmethod
+    def _absorbed(q_nope, q_pe, proj: LatentProjection, cache, metadata: AttentionMetadata,
+                  scale: float, kv_scale: float) -> torch.Tensor:  # fmt: skip
         from common.model.kernels import mla_attention
 
         out = mla_attention.paged_mla_prefill(
