@@ -82,10 +82,13 @@ class MLADecodeConfig:
 # with ~100 B spilled, 144 KB; 128/16/8w/out_split 2, 186, 180 KB. 16 heads ran at the bytes
 # floor from 32 sequences of 8k keys in the first H200 run; the rest is not yet measured
 # (`bench_mla_decode.py --sweep-configs`).
+# From `bench_mla_decode.py --sweep-configs` on one H200 (bf16, 1k and 8k contexts, batch 1 /
+# 32 / 128): 64-key tiles won at 16 heads (8k, batch 128: 324 us against 384 for 32-key tiles)
+# and at 128 heads (1200 against 1710); 32 heads was not measured.
 DECODE_CONFIGS: dict[int, MLADecodeConfig] = {
-    16: MLADecodeConfig(16, 32, 4, 2),
+    16: MLADecodeConfig(16, 64, 4, 3),
     32: MLADecodeConfig(32, 32, 8, 2),
-    64: MLADecodeConfig(64, 32, 8, 2),
+    64: MLADecodeConfig(64, 64, 8, 2),
 }
 # fp32 caches (tests, reference runs): 16 heads and 16 keys, the tiles that fit shared memory.
 FP32_DECODE_CONFIG = MLADecodeConfig(16, 16, 4, 2)
