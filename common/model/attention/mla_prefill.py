@@ -8,7 +8,7 @@ DeepSeek-V2-Lite: Dc = kv_lora_rank 512, Dr = rope 64, Dn = Dv = 128):
   (`LatentProjection.decompress`), then 2 (Dn + Dr) + 2 Dv = 640 per pair.
 A chunk of P new tokens after C cached ones saves 1536 P (C + P / 2) and pays R C more: a fresh
 prompt is cheaper decompressed at any length, a chunk behind a long prefix from P ~ R / 1536 ~
-170. Decode rows and short chunks stay absorbed (`AUTO_DECOMPRESS`).
+170. Decode rows, short chunks and short contexts stay absorbed (`AUTO_DECOMPRESS`).
 
 Contract: `decompressed_sequence` runs eagerly on host lengths (shapes follow the sequence),
 which the prefill graphs allow (attention runs between captured pieces). It materialises the
@@ -32,24 +32,35 @@ from common.model.quantization.fp8_ops import FP8
 @dataclass(frozen=True)
 class DecompressRule:
     """Under "auto", sequence i of a prefill step runs decompressed iff its chunk has at least
-    `min_query_tokens` new tokens and heads x its context is at most `max_context_rows`."""
+    `min_query_tokens` new tokens, its context at least `min_context_tokens`, and heads x its
+    context is at most `max_context_rows`."""
 
     min_query_tokens: int
     max_context_rows: int
+    min_context_tokens: int = 0
 
     def decompresses(self, query_len: int, seq_len: int, heads: int) -> bool:
-        return query_len >= self.min_query_tokens and heads * seq_len <= self.max_context_rows
+        return (
+            query_len >= self.min_query_tokens
+            and seq_len >= self.min_context_tokens
+            and heads * seq_len <= self.max_context_rows
+        )
 
 
-# The "auto" table. 256 new tokens: above the break-even behind a long prefix (~170, module
-# docstring), since the rebuild also gathers and copies the context; to be set from
-# bench_mla_prefill.py on the GPU. 2^20 rows bound one sequence's K and V at ~1 GiB in bf16
-# (64k tokens at 16 heads).
-AUTO_DECOMPRESS = DecompressRule(min_query_tokens=256, max_context_rows=1 << 20)
+# The "auto" table, from `bench_mla_prefill.py` on one H200 (DeepSeek-V2-Lite, bf16, whole
+# prefill steps through the engine; docs/benchmarks.md): decompressed / absorbed time was
+# x1.01 / x1.18 / x0.49 for fresh 512 / 2k / 8k prompts, and x0.81 / x0.85 / x0.45 for 512 / 2k
+# / 8k new tokens behind a 4k prefix: it pays from about 4k tokens of context. 2^20 rows bound
+# one sequence's K and V at ~1 GiB in bf16 (64k tokens at 16 heads).
+AUTO_DECOMPRESS = DecompressRule(
+    min_query_tokens=256, max_context_rows=1 << 20, min_context_tokens=4096
+)
 
 # Torch's flash kernel needs one head dim for q, k and v: padding V to q's (128 -> 192, +20%
-# FLOPs) lets SDPA pick flash or cuDNN, not only the memory-efficient kernel, which is slow
-# past 128 columns. A guess until measured: bench_mla_prefill.py times both.
+# FLOPs) lets SDPA pick flash or cuDNN instead of the memory-efficient kernel. Measured on one
+# H200 (one V2-Lite layer): padded 0.24 / 0.62 / 2.92 ms against 0.32 / 0.92 / 4.98 unpadded
+# for 512 / 2k / 8k new tokens behind a 4k prefix; fresh prompts lose a little (0.75 against
+# 0.66 ms at 8k). Kept on.
 PAD_VALUES_ON_CUDA = True
 
 
