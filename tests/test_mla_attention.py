@@ -133,6 +133,10 @@ def test_decode_fp32_matches_reference_across_splits_and_a_padding_row(splits):
 )
 @pytest.mark.parametrize("splits", [1, 4])
 def test_decode_head_tiles_and_column_split_match_reference(config, splits):
+    if config.block_h == 128 and torch.cuda.is_available():
+        # float32 tiles of 128 heads need 340 KB of shared memory, Hopper has 227 KB; the
+        # bf16 GPU test below runs this config
+        pytest.skip("float32 128-head tiles exceed the GPU's shared memory")
     b = make_batch([1] * 3, [1, 37, 0], 40, torch.float32)
     out = decode(b, splits, config=config)
     torch.testing.assert_close(out, b.reference(prefill=False), **TOL[torch.float32])

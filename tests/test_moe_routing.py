@@ -223,7 +223,9 @@ def assert_routes_like_select_experts(x, w, spec, bias, got, near_tie=1e-5, max_
         torch.testing.assert_close(mine, theirs, atol=near_tie, rtol=0)
     assert (~same).float().mean().item() <= max_ties
     got_w = weights.gather(1, ids.indices)[same]
-    torch.testing.assert_close(got_w, ref_w.gather(1, ref_ids.indices)[same], rtol=1e-5, atol=1e-6)
+    # float32 logits summed over up to 7168 products in the kernel's order: one weight in 65536
+    # of DeepSeek-V3's 8192-token case was 1.7e-5 off relatively (H200)
+    torch.testing.assert_close(got_w, ref_w.gather(1, ref_ids.indices)[same], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("rule", list(RULES))
