@@ -178,7 +178,9 @@ def test_lookup_takes_the_longest_recurring_suffix_and_its_latest_occurrence():
 
 
 def test_a_draft_model_equal_to_the_target_has_every_draft_accepted(model):
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (3, 30, 1, 9, 17)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (3, 30, 1, 9, 17)
+    ]
     plain = run(engine(model), params)
     llm = engine(model, **spec(speculative_method="draft", speculative_model=model))
     assert run(llm, params) == plain
@@ -210,7 +212,9 @@ def test_eagle3_head_drafts_and_greedy_output_is_unchanged(tmp_path):
     target = tmp_path / "target"
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(target)
     write_head(tmp_path / "head")
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (2, 25, 1, 7, 12)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (2, 25, 1, 7, 12)
+    ]
     plain = run(engine(str(target)), params)
     for graphs in (False, True):
         llm = engine(
