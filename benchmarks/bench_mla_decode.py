@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # the kernel modules are imported after TRITON_INTERPRET is decided
-    from common.model.kernels.mla_attention import MLADecodeConfig
+    from common.model.kernels.mla_decode import MLADecodeConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -60,7 +60,7 @@ SMOKE_TILES = {16: ((16, 4, 2, 1), (16, 4, 2, 2))}
 
 
 def sweep_configs(heads: int, tiles: dict = SWEEP_TILES) -> list[MLADecodeConfig]:
-    from common.model.kernels.mla_attention import MLADecodeConfig
+    from common.model.kernels.mla_decode import MLADecodeConfig
 
     top = max(16, 1 << (heads - 1).bit_length())
     return [
@@ -129,7 +129,7 @@ class Case:
         self, splits: int, config: MLADecodeConfig, reps: int, tol: float
     ) -> tuple[float, float | None]:
         """(max |layer 0 - ref|, us per layer call), timed only if the error is within tol."""
-        from common.model.kernels.mla_attention import paged_mla_decode
+        from common.model.kernels.mla_decode import paged_mla_decode
         from common.model.kernels.paged_attention import DecodeScratch
 
         device = self.q_nope.device
@@ -186,7 +186,7 @@ def config_name(config: MLADecodeConfig) -> str:
 def sweep_row(case: Case, args, device: torch.device) -> list[dict]:
     """Each candidate config at split counts around the rule's for it; a config that does not
     compile (shared memory) is recorded once and skipped."""
-    from common.model.kernels.mla_attention import mla_decode_splits
+    from common.model.kernels.mla_decode import mla_decode_splits
 
     tiles = SMOKE_TILES if args.smoke else SWEEP_TILES
     entries = []
@@ -206,7 +206,7 @@ def sweep_row(case: Case, args, device: torch.device) -> list[dict]:
 
 
 def run_row(heads: int, batch: int, ctx: int, args, device: torch.device, rate: float) -> dict:
-    from common.model.kernels.mla_attention import mla_decode_config, mla_decode_splits
+    from common.model.kernels.mla_decode import mla_decode_config, mla_decode_splits
 
     case = make_case(heads, batch, ctx, device)
     config = mla_decode_config(heads)

@@ -373,7 +373,7 @@ def test_latent_attention_in_either_prefill_form_equals_per_head_attention(backe
     Triton runs on the GPU where there is one, in the interpreter elsewhere."""
     if backend == "triton":
         pytest.importorskip("triton")
-        pytest.importorskip("common.model.kernels.mla_attention")
+        pytest.importorskip("common.model.kernels.mla_decode")
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     proj, cache, metadata, tokens, cached = latent_case()
     scale = 0.1

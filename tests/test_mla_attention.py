@@ -28,15 +28,14 @@ from common.model.attention.mla_reference import (  # noqa: E402
     mla_reference,
     write_latent_reference,
 )
-from common.model.kernels.mla_attention import (  # noqa: E402
+from common.model.kernels.mla_attention import paged_mla_prefill, write_latent  # noqa: E402
+from common.model.kernels.mla_decode import (  # noqa: E402
     FP32_DECODE_CONFIG,
     MLADecodeConfig,
     mla_decode_config,
     mla_decode_scratch,
     mla_decode_splits,
     paged_mla_decode,
-    paged_mla_prefill,
-    write_latent,
 )
 from common.model.kernels.paged_attention import DecodeScratch  # noqa: E402
 from common.model.quantization.fp8_ops import FP8  # noqa: E402

@@ -1,12 +1,12 @@
 """MLA attention (absorbed form) on plain torch ops: the oracle of
-`common.model.kernels.mla_attention` and the CPU model path. Correct, not fast.
+`common.model.kernels.mla_attention` and `mla_decode` and the CPU model path. Correct, not fast.
 
-Same cache and math as the kernels (their module docstring): one `[num_blocks + 1, page_size,
-1, Dc + Dr]` pool per layer, the last block the padding block; key n of a sequence scores
-`scale * (q_nope . c_n + q_pe . kpe_n)`, the output is `sum_n p_n c_n`. Pages are gathered per
-sequence and attended in float32 (an FP8 cache as `stored * kv_scale`). The lengths are read on
-the host (`tolist`), so `mla_reference` is not CUDA-graph capturable; `write_latent_reference`
-is (no host reads).
+Same cache and math as the kernels (`mla_attention`'s module docstring): one `[num_blocks + 1,
+page_size, 1, Dc + Dr]` pool per layer, the last block the padding block; key n of a sequence
+scores `scale * (q_nope . c_n + q_pe . kpe_n)`, the output is `sum_n p_n c_n`. Pages are
+gathered per sequence and attended in float32 (an FP8 cache as `stored * kv_scale`). The lengths
+are read on the host (`tolist`), so `mla_reference` is not CUDA-graph capturable;
+`write_latent_reference` is (no host reads).
 """
 
 from __future__ import annotations

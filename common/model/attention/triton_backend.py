@@ -8,11 +8,12 @@ shape (the warm-up before capture) and reused by every later call and replay, so
 allocates nothing. Calls run in stream order, so one buffer serves every layer. FP8 caches
 (contract in `base`) are written and read by the same kernels with the layer's scales.
 `metadata.decode_groups` makes a verify step's rows of one sequence read its KV once.
-MLA runs `common.model.kernels.mla_attention` (absorbed decode and prefill, imported on first
-use); its decode keeps split scratch buffers under the same contract. A prefill step's sequences
-that `mla_prefill` decompresses run `mla_prefill.decompressed_sequence` (torch ops: gather, the
-kv_b_proj GEMMs, SDPA); the others run the absorbed kernel, as a compact batch of their own when
-the step has both kinds (`mla_prefill.compact_batch`, built once per step).
+MLA runs `common.model.kernels.mla_decode` (absorbed decode) and `mla_attention` (absorbed
+prefill, latent write), imported on first use; its decode keeps split scratch buffers under the
+same contract. A prefill step's sequences that `mla_prefill` decompresses run
+`mla_prefill.decompressed_sequence` (torch ops: gather, the kv_b_proj GEMMs, SDPA); the others
+run the absorbed kernel, as a compact batch of their own when the step has both kinds
+(`mla_prefill.compact_batch`, built once per step).
 """
 
 from __future__ import annotations
@@ -125,21 +126,21 @@ class TritonAttentionBackend(DecodeOrPrefillBackend):
         self, q_abs, q_pe, cache, metadata: AttentionMetadata, scale: float,
         kv_scale: float = 1.0,
     ):  # fmt: skip
-        from common.model.kernels import mla_attention
+        from common.model.kernels import mla_decode
 
         out = torch.empty(q_abs.shape, dtype=q_abs.dtype, device=q_abs.device)
         num_seqs = min(q_abs.shape[0], metadata.seq_lens.shape[0])
         if num_seqs < q_abs.shape[0]:  # query rows without a sequence
             out[num_seqs:].zero_()
         heads, rank, device = q_abs.shape[1], q_abs.shape[2], q_abs.device
-        splits = mla_attention.mla_decode_splits(num_seqs, heads, device, metadata.max_seq_len)
+        splits = mla_decode.mla_decode_splits(num_seqs, heads, device, metadata.max_seq_len)
         key = (num_seqs, heads, splits, rank, device)
         scratch = self._scratch.get(key)
         if scratch is None:
-            scratch = self._scratch[key] = mla_attention.mla_decode_scratch(
+            scratch = self._scratch[key] = mla_decode.mla_decode_scratch(
                 num_seqs, heads, rank, device, metadata.max_seq_len
             )
-        mla_attention.paged_mla_decode(
+        mla_decode.paged_mla_decode(
             q_abs[:num_seqs], q_pe[:num_seqs], cache, metadata.block_tables, metadata.seq_lens,
             scale, kv_scale, out[:num_seqs], scratch=scratch,
         )  # fmt: skip

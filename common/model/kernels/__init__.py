@@ -1,7 +1,8 @@
 """Triton kernels for CUDA (Hopper-tuned); each also runs on CPU under `TRITON_INTERPRET=1`.
 
 - `paged_attention`: varlen causal prefill and split-K decode over the paged KV pool.
-- `mla_attention`: the same two for DeepSeek's latent (MLA) cache in absorbed form, latent write.
+- `mla_attention`: the same prefill for DeepSeek's latent (MLA) cache in absorbed form, the
+  shared MLA tile loop, latent write; `mla_decode`: MLA split-K decode on that loop.
 - `fused_ops`: RMSNorm (+ residual add), SiLU-and-mul, neox rotary, paged KV write.
 - `fp8_quant`: RMSNorm and SiLU-and-mul emitting FP8 activations, and a plain FP8 quantization.
 - `block_copy`: KV blocks (whole, or a range of KV heads) from one pool into another, across
