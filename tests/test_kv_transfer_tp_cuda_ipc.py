@@ -309,15 +309,17 @@ def test_heads_no_remote_pool_holds_leave_the_sender_on_frames():
 
 @pytest.mark.parametrize("p,d", [(2, 1), (1, 2), (2, 2), (1, 4)])
 def test_the_copies_of_every_rank_fill_every_decode_pool_exactly(p, d):
-    """What each prefill rank's `DirectWriter` launches, on CPU pools: BlockCopier where both
-    pools hold the same heads, HeadCopier for a slice."""
+    """What each prefill rank's `DirectWriter` launches, on one device's pools (the GPU where
+    there is one, the interpreter's CPU elsewhere): BlockCopier where both pools hold the same
+    heads, HeadCopier for a slice."""
     from common.model.kernels.block_copy import BlockCopier, HeadCopier, block_pairs
 
-    full = pool(KV_HEADS, seed=5)
-    src_pools = rank_pools(full, p)
-    dst_pools = [torch.zeros_like(x) for x in rank_pools(full, d)]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    full = pool(KV_HEADS, seed=5).to(device)
+    src_pools = [x.contiguous() for x in rank_pools(full, p)]
+    dst_pools = [torch.zeros_like(x).contiguous() for x in rank_pools(full, d)]
     dst_heads = [layout(d).kv_heads(q) for q in range(d)]
-    pairs = block_pairs(SRC, DST)
+    pairs = block_pairs(SRC, DST).to(device)
     for r in shipping_ranks(layout(p)):
         for copy in head_copies(layout(p).kv_heads(r), dst_heads):
             src, dst = src_pools[r], dst_pools[copy.target]
