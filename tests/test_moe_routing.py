@@ -330,3 +330,24 @@ def test_router_module_routes_on_the_gpu_as_on_the_cpu():
     bias = router.e_score_correction_bias
     assert_routes_like_select_experts(x, router.weight.detach(), spec, bias.detach(), on_gpu)
     assert torch.equal(on_gpu[1].cpu().sort(1).values, on_cpu[1].sort(1).values)
+
+
+def test_fp8_experts_are_refused_with_the_architecture_named():
+    """FP8 covers dense linears only: a mixture-of-experts model asked to quantize stops at
+    build time with one line, before any weight is read."""
+    from transformers import Qwen3MoeConfig
+
+    from common.model.llama import LlamaForCausalLM
+    from common.model.quantization.selection import linear_method_for
+    from common.model.spec import ModelSpec
+
+    config = Qwen3MoeConfig(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=64, hidden_size=32,
+        intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16,
+    )  # fmt: skip
+    spec = ModelSpec.from_hf_config(config)
+    method = linear_method_for(spec, "fp8", "dummy")
+    with torch.device("meta"), pytest.raises(ValueError, match="Qwen3MoeForCausalLM: quantized"):
+        LlamaForCausalLM(spec, 64, linear_method=method)
