@@ -218,6 +218,21 @@ class EngineConfig:
             "--prefill-tp, --decode-tp"
         },
     )
+    pp: int = field(
+        default=1,
+        metadata={
+            "help": "pipeline-parallel stages of a node, one process per stage and TP rank "
+            "(pp x tp devices); each stage holds a range of layers and their KV, prefill "
+            "chunks flow through the stages back to back; per pool: --prefill-pp, --decode-pp"
+        },
+    )
+    pp_layer_partition: str | None = field(
+        default=None,
+        metadata={
+            "help": "layers per pipeline stage, comma-separated (e.g. 10,18 for 28 layers and "
+            "--pp 2); default: even, earlier stages take the remainder"
+        },
+    )
     enable_expert_parallel: bool = field(
         default=False,
         metadata={
@@ -247,10 +262,19 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.pp < 1:
+            raise ValueError(f"pp must be >= 1, got {self.pp}")
+        if self.pp_layer_partition is not None and self.pp == 1:
+            raise ValueError("pp_layer_partition needs pp > 1")
         if self.mla_prefill not in MLA_PREFILL_MODES:
             raise ValueError(
                 f"mla_prefill must be one of {MLA_PREFILL_MODES}, got {self.mla_prefill!r}"
             )
+
+    @property
+    def world_size(self) -> int:
+        """Processes (and devices) of one node: every stage's tensor-parallel ranks."""
+        return self.tp * self.pp
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:

@@ -19,17 +19,25 @@ proposer reads every token so far on the host; above `speculative_max_batch` run
 nothing is drafted and the loop overlaps again. After `Scheduler.schedule` the proposer drafts tokens for the items
 the scheduler allowed (`ScheduledBatch.spec_limits`), and the runner verifies them in the same
 forward; a row's output is then the list of tokens it emitted.
+
+Pipelined (a node of `pp` stages): up to `pp` steps are in flight, so while later stages run
+step N stage 0 already runs N+1 (prefill chunks of one prompt or of several, back to back);
+outputs come back in order, each once its logits left the last stage. A step never reads a
+token still in flight: before scheduling a sequence whose last token is a placeholder (a
+decode), every step in flight is resolved first, so decode steps of a pipelined node run
+synchronously. Blocks freed while steps are in flight wait for the newest of them.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common.engine.model_runner import StepHandle
 from common.engine.scheduler import SampledToken, ScheduledBatch, Scheduler
-from common.engine.sequence import FinishReason, Sequence
+from common.engine.sequence import PLACEHOLDER, FinishReason, Sequence
 from common.engine.spec_decode.proposer import Proposer
 from common.engine.worker import Worker
 
@@ -76,6 +84,10 @@ class EngineCore:
         self.overlap = overlap
         self.proposer = proposer
         self._in_flight: StepHandle | None = None
+        # Pipelined: launched, unresolved steps, oldest first, each with the blocks to free
+        # once it has completed.
+        self.depth = worker.config.pp
+        self._pipeline: deque[tuple[StepHandle, list[int]]] = deque()
         # The last step() found work but scheduled, preempted and resolved nothing: the head
         # waiting prompt's blocks are not free. Until something outside the scheduler frees
         # some (an ending, a finished transfer), stepping again changes nothing, so a loop
@@ -83,11 +95,14 @@ class EngineCore:
         self.stalled = False
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self._in_flight is not None
+        return self.scheduler.has_work() or self._in_flight is not None or bool(self._pipeline)
 
     def step(self, before_launch: BeforeLaunch | None = None) -> list[StepOutput]:
         """Run one step. Synchronous: its output. Overlapped: launch the next step, then return
-        the previous one's output. [] when there was nothing to resolve."""
+        the previous one's output. Pipelined: launch the next step, then return the outputs of
+        the oldest ones beyond `depth - 1` in flight. [] when there was nothing to resolve."""
+        if self.depth > 1:
+            return self._step_pipelined(before_launch)
         early: list[StepOutput] = []
         sync = self._needs_host_tokens()
         if sync and self._in_flight is not None:
@@ -127,6 +142,55 @@ class EngineCore:
         progressed = batch or batch.preempted or early or outputs
         self.stalled = not progressed and self.scheduler.has_work()
         return early + outputs
+
+    def _step_pipelined(self, before_launch: BeforeLaunch | None) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        if self._pipeline and (self._needs_host_tokens() or self._reads_unresolved()):
+            outputs += self._drain(0)
+        batch = self.scheduler.schedule()
+        held = self.scheduler.take_held()
+        if self._pipeline:  # freed before this schedule: a step in flight may still write them
+            self._pipeline[-1][1].extend(held)
+        else:
+            self.worker.allocator.free(held)
+        if batch:
+            try:
+                hook = before_launch(batch) if before_launch is not None else None
+                launched = self.runner.launch(batch, None, hook)
+            except Exception as exc:  # a failed step fails its requests, not the loop
+                log.exception("model step of %d requests failed", len(batch.items))
+                outputs.append(StepOutput(batch, error=exc))
+            else:
+                self.scheduler.commit(batch)
+                self.scheduler.hold_frees = True
+                self._pipeline.append((launched, []))
+        # Launched: keep depth - 1 others in flight. Nothing launched: resolve the oldest, the
+        # only way on (the rest wait for its tokens or blocks).
+        outputs += self._drain(self.depth - 1 if batch else len(self._pipeline) - 1)
+        progressed = batch or batch.preempted or outputs
+        self.stalled = not progressed and self.scheduler.has_work()
+        return outputs
+
+    def _drain(self, keep: int) -> list[StepOutput]:
+        """Resolve the oldest steps in flight until at most `keep` are."""
+        outputs = []
+        while len(self._pipeline) > max(0, keep):
+            handle, blocks = self._pipeline.popleft()
+            outputs.append(self._resolve(handle))
+            self.worker.allocator.free(blocks)
+        if not self._pipeline:  # nothing runs: every held block is free again
+            self.scheduler.hold_frees = False
+            self.worker.allocator.free(self.scheduler.take_held())
+        return outputs
+
+    def _reads_unresolved(self) -> bool:
+        """A running sequence's next input is a token still in flight (a decode)."""
+        s = self.scheduler
+        return any(
+            seq.output_token_ids[-1:] == [PLACEHOLDER] and not seq.awaiting_last_token
+            for seq in s.running
+            if not (s.prefill_only and seq.output_token_ids)
+        )
 
     def _needs_host_tokens(self) -> bool:
         """A request with a grammar is in the scheduler: its matcher reads the tokens sampled so

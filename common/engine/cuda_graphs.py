@@ -11,6 +11,10 @@ before step N may have run, so a buffer is rewritten only after its step was obs
 (`StepHandle.result`), else `StagingHazard`. On CPU nothing is captured; the same padded forward
 runs on the same buffers, so the path is testable without a GPU.
 
+Pipeline stages capture their own layers: a stage after the first reads the (hidden,
+residual) carry the stage before sent, copied into static `carry_in` buffers before a replay;
+a stage before the last ends with its carry in static `carry_out` buffers instead of logits.
+
 Contract with attention backends: their decode path may use only shapes and
 `metadata.max_seq_len` (fixed here at the model's context limit) on the host; per-row lengths
 must be read from `metadata.seq_lens` on the device.
@@ -116,9 +120,18 @@ class Replay:
     # The target's auxiliary hidden states of the step's rows, when the model keeps them
     # (EAGLE-3: `LlamaModel.aux_hidden_layers`).
     aux_hidden: torch.Tensor | None = None
+    # A pipeline stage before the last: its (hidden, residual) rows for the next stage, in
+    # static buffers the next replay rewrites.
+    carry: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def release(self) -> None:
         self.slot.release(self.generation)
+
+
+def carry_buffers(model: CausalLM, rows: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Static (hidden, residual) rows exchanged with a neighbouring pipeline stage."""
+    shape = (rows, model.spec.hidden_size)
+    return tuple(torch.zeros(shape, dtype=model.dtype, device=device) for _ in range(2))
 
 
 class DecodeGraphs:
@@ -152,7 +165,11 @@ class DecodeGraphs:
         self.groups = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.logits = torch.zeros(n, model.spec.vocab_size, dtype=torch.float32, device=device)
+        stage = model.stage
+        vocab = model.spec.vocab_size if stage.is_last else 0
+        self.logits = torch.zeros(n, vocab, dtype=torch.float32, device=device)
+        self.carry_in = None if stage.is_first else carry_buffers(model, n, device)
+        self.carry_out = None if stage.is_last else carry_buffers(model, n, device)
         self.staging = StagingRing(STAGING_DEPTH, n, self.max_blocks, pinned=self.on_cuda)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # plain decode steps
         self.grouped_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps with a verify run
@@ -185,10 +202,15 @@ class DecodeGraphs:
             self.scale,
             **self.kv_cache.context_kwargs(),
         )
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs], ctx)
+        carry = None if self.carry_in is None else tuple(t[:bs] for t in self.carry_in)
+        out = self.model(self.input_ids[:bs], self.positions[:bs], ctx, carry)
         # A captured graph rewrites the same aux tensor at every replay of this size.
         self._aux[bs, grouped] = getattr(self.model.model, "aux_hidden", None)
-        return self.model.compute_logits(hidden, out=self.logits[:bs])
+        if self.carry_out is not None:
+            for buffer, t in zip(self.carry_out, out, strict=True):
+                buffer[:bs].copy_(t)
+            return self.carry_out[0][:bs]
+        return self.model.compute_logits(out, out=self.logits[:bs])
 
     @torch.inference_mode()
     def capture(self) -> int:
@@ -240,6 +262,7 @@ class DecodeGraphs:
         row_keys: list[object],
         fill_ids: tuple[torch.Tensor, torch.Tensor] | None = None,
         groups: list[int] | None = None,
+        carry: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Replay:
         """Stage one decode step and replay the graph of the smallest captured size >= its
         rows; the Replay's logits are [n, vocab] rows of the shared buffer.
@@ -249,10 +272,14 @@ class DecodeGraphs:
         the staged row is still right and is not rewritten. `fill_ids` (token positions,
         device token ids) overwrites staged ids on the device after the copy: tokens sampled
         by a step whose results are not on the host yet. `groups`: the rows' `decode_groups`
-        (runs of at most `rows_max` rows; None: every row plain)."""
+        (runs of at most `rows_max` rows; None: every row plain). `carry`: a later pipeline
+        stage's input rows; a stage before the last returns its carry in `Replay.carry`."""
         n = len(input_ids)
         bs = self.padded_size(n)
         slot, generation = self.staging.acquire()
+        if carry is not None:
+            for buffer, t in zip(self.carry_in, carry, strict=True):
+                buffer[:n].copy_(t)
         try:
             grouped = self._stage_and_replay(
                 slot, bs, input_ids, positions, slots, seq_lens, block_tables, row_keys, fill_ids,
@@ -265,6 +292,9 @@ class DecodeGraphs:
             raise
         self.launches += 1
         aux = self._aux.get((bs, grouped))
+        if self.carry_out is not None:
+            hidden, residual = (t[:n] for t in self.carry_out)
+            return Replay(hidden, slot, generation, carry=(hidden, residual))
         return Replay(self.logits[:n], slot, generation, None if aux is None else aux[:n])
 
     @torch.inference_mode()

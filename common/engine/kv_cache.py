@@ -9,6 +9,9 @@ one CUDA IPC handle exports the whole pool to a prefill node. The extra last blo
 sequence: padding rows of a captured CUDA-graph batch write their KV there (`padding_slot`),
 so a captured step needs no data-dependent branch.
 
+A pipeline stage's pool holds only its layers (`first_layer` on): the per-layer views stay
+indexed by the model's layer number (None below `first_layer`), so attention is unchanged.
+
 `--kv-cache-dtype fp8` stores K and V as float8_e4m3fn with one scale per layer for K and one
 for V (an MLA pool's one plane uses the K scales): stored = clamp(x / scale, -448, 448), read =
 stored * scale. Scales come from the checkpoint (`self_attn.k_scale` / `v_scale`), else 1.0:
@@ -45,6 +48,7 @@ class KVCache:
     # Per layer (FP8 pools only read them): x = stored * scale. Empty means 1.0 for every layer.
     k_scales: list[float] = field(default_factory=list)
     v_scales: list[float] = field(default_factory=list)
+    first_layer: int = 0  # the model layer of pool layer 0 (a pipeline stage's first)
 
     @classmethod
     def allocate(
@@ -56,11 +60,19 @@ class KVCache:
         device: torch.device,
         k_scales: list[float] | None = None,
         v_scales: list[float] | None = None,
+        layers: range | None = None,
     ) -> KVCache:
+        """`layers`: the model layers this pool holds (a pipeline stage's; default all)."""
         g = spec.kv_cache_geometry
-        shape = (spec.num_layers, g.planes, num_blocks + 1, block_size, g.heads, g.head_dim)
+        layers = layers if layers is not None else range(spec.num_layers)
+        shape = (len(layers), g.planes, num_blocks + 1, block_size, g.heads, g.head_dim)
         pool = torch.zeros(shape, dtype=dtype, device=device)
-        return cls(pool, block_size, list(k_scales or []), list(v_scales or []))
+        return cls(pool, block_size, list(k_scales or []), list(v_scales or []), layers.start)
+
+    @property
+    def layers(self) -> range:
+        """The model layers this pool holds (pool layer i is model layer first_layer + i)."""
+        return range(self.first_layer, self.first_layer + self.pool.shape[0])
 
     @property
     def num_blocks(self) -> int:
@@ -83,13 +95,14 @@ class KVCache:
     def context_kwargs(self) -> dict[str, list]:
         """The arguments of every `ForwardContext` over this pool beyond its K/V caches: an MLA
         pool's latent caches; the per-layer scales of an FP8 pool (none in the model dtype)."""
+        skipped = [1.0] * self.first_layer  # indexed by model layer, like the caches
         if self.is_latent:
             return {"latent_caches": self.latent_caches} | (
-                {"latent_scales": self.k_scales} if self.is_fp8 else {}
+                {"latent_scales": skipped + self.k_scales} if self.is_fp8 else {}
             )
         if not self.is_fp8:
             return {}
-        return {"k_scales": self.k_scales, "v_scales": self.v_scales}
+        return {"k_scales": skipped + self.k_scales, "v_scales": skipped + self.v_scales}
 
     def __post_init__(self) -> None:
         num_layers = self.pool.shape[0]
@@ -104,17 +117,18 @@ class KVCache:
             setattr(self, name, [float(s) for s in scales])
         # Per-layer views, made once: the prefill graphs index them on every layer of a step.
         layers = range(num_layers)
-        first = [self.pool[layer, 0] for layer in layers]
+        skipped: list = [None] * self.first_layer  # other pipeline stages' layers
+        first = skipped + [self.pool[layer, 0] for layer in layers]
         self.latent_caches: list[torch.Tensor] = first if self.is_latent else []
         self.k_caches: list[torch.Tensor] = [] if self.is_latent else first
         self.v_caches: list[torch.Tensor] = (
-            [] if self.is_latent else [self.pool[layer, 1] for layer in layers]
+            [] if self.is_latent else skipped + [self.pool[layer, 1] for layer in layers]
         )
 
 
 def block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
-    """K and V (or MLA latents) of every layer for one block, in the pool's dtype (an FP8 block:
-    half bf16's)."""
+    """K and V (or MLA latents) of every layer of `spec` for one block, in the pool's dtype (an
+    FP8 block: half bf16's). A pipeline stage passes a spec of its layers only."""
     return spec.kv_bytes_per_token(dtype.itemsize) * block_size
 
 

@@ -24,9 +24,11 @@ def step_peak_bytes(
     sequence per length (each on its own scratch blocks, in `kv_dtype`, default the model's:
     an FP8 pool runs the FP8 kernels). Leaves the device's peak statistic at that step's peak
     (`gpu_kv_budget` reads it)."""
-    device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+    device, dtype = model.device, model.dtype
     blocks = [-(-n // block_size) for n in prompt_lengths]
-    scratch = KVCache.allocate(model.spec, sum(blocks), block_size, kv_dtype or dtype, device)
+    scratch = KVCache.allocate(
+        model.spec, sum(blocks), block_size, kv_dtype or dtype, device, layers=model.stage.layers
+    )
     runner = ModelRunner(model, scratch, backend, device)
     batch, first = ScheduledBatch(), 0
     for i, (n, count) in enumerate(zip(prompt_lengths, blocks, strict=True)):

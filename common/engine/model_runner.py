@@ -5,6 +5,13 @@
 bring them to the host for `StepHandle.result`. Tensor parallel (`common.engine.tp_link`): rank
 0's runner has a `link` and broadcasts each step's `HostInputs` and then its sampled ids; the
 other ranks `follow` with the same forward, without sampling.
+
+Pipeline parallel (`pipe`): every stage's runner runs its own layers. Stage 0's `launch`
+passes its (hidden, residual) rows to stage 1 (asynchronous sends) and posts the receive of the
+step's logits rows from the last stage; sampling waits for them in `StepHandle.result`, so
+stage 0 can launch the next step while later stages still run this one. A stage after the
+first `follow`s: it receives its carry, runs its layers, and passes the carry on or, the last,
+sends the logits rows to rank 0. No stage reads an unresolved token (`EngineCore`).
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ from common.model.registry import CausalLM
 
 if TYPE_CHECKING:
     from common.engine.tp_link import StepDriver
+    from common.model.distributed import PipeGroup
+
+Carry = tuple[torch.Tensor, torch.Tensor]  # (hidden, residual) rows between pipeline stages
 
 Fill = tuple[torch.Tensor, torch.Tensor] | None  # (token positions, device ids) to overwrite
 
@@ -89,6 +99,8 @@ class StepHandle:
         self._host: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._event: torch.cuda.Event | None = None
         self._results: list[SampledToken | None] | None = None
+        # Pipeline stage 0: samples once the last stage's logits arrived (run by `result`).
+        self.finish: Callable[[], None] | None = None
 
     def sampled_row(self) -> dict[str, int]:
         """Request id -> row of `token_ids`."""
@@ -136,6 +148,14 @@ class StepHandle:
     def result(self) -> list[SampledToken | list[SampledToken] | None]:
         if self._results is not None:
             return self._results
+        if self.finish is not None:
+            finish, self.finish = self.finish, None
+            try:
+                finish()
+            except BaseException:
+                if self.replay is not None:
+                    self.replay.release()  # its forward ran long ago: its logits arrived
+                raise
         if self._event is not None:
             self._event.synchronize()
         if self.replay is not None:
@@ -197,6 +217,8 @@ class ModelRunner:
         self._v_caches = kv_cache.v_caches
         self._kv_scales = kv_cache.context_kwargs()  # FP8 pools only
         self.link: StepDriver | None = None  # rank 0 of several: drives the other ranks
+        self.pipe: PipeGroup | None = None  # pipeline parallel: this stage's links
+        self._sends: list[tuple[object, tuple[torch.Tensor, ...]]] = []  # (work, its tensors)
         # EAGLE-3: called after every forward with each item's (request id, first position,
         # rows) and the target's auxiliary hidden states of those rows.
         self.aux_observer: Callable[..., None] | None = None
@@ -334,6 +356,11 @@ class ModelRunner:
             fill = self._fill(h, prev.token_ids)
         if self.link is not None:
             self.link.send_step(h, int(on_layer_done is not None))
+        if not self.model.stage.is_last:
+            assert fill is None, "a pipelined step read an unresolved token"
+            handle.replay, carry = self._forward(h, None, on_layer_done)
+            self._launch_pipelined(handle, h, batch, carry)
+            return handle
         handle.replay, logits = self._forward(h, fill, on_layer_done)
         if self.aux_observer is not None:
             self._observe(batch, handle.replay)
@@ -353,6 +380,52 @@ class ModelRunner:
                 self.link.send_ids(ids, len(h.sample_rows))
         return handle
 
+    def _launch_pipelined(
+        self, handle: StepHandle, h: HostInputs, batch: ScheduledBatch, carry: Carry
+    ) -> None:
+        """Stage 0 of several: pass the carry on; sample once the logits arrive."""
+        if self.pipe is None:
+            return  # a memory probe of a stage's layers: nothing to pass on or sample
+        self._pass_on(carry, copy=handle.replay is not None)
+        if not h.sample_rows:
+            return
+        rows = len(h.logits_indices)
+        logits = torch.empty(rows, self.model.spec.vocab_size, dtype=torch.float32,
+                             device=self.device)  # fmt: skip
+        work = self.pipe.recv_from_last(logits)
+
+        def finish() -> None:
+            work.wait()
+            self._sample(handle, batch, logits)
+
+        handle.finish = finish
+
+    def _pass_on(self, tensors: tuple[torch.Tensor, ...], copy: bool, logits: bool = False):
+        """Send to the next stage (`logits`: the last stage's rows, to rank 0). `copy`: the
+        tensors are a graph's static buffers, which the next replay rewrites while the send
+        may still read them."""
+        if copy:
+            tensors = tuple(t.clone() for t in tensors)
+        tensors = tuple(t.contiguous() for t in tensors)
+        self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
+        if logits:
+            self._sends.append((self.pipe.send_to_driver(tensors[0]), tensors))
+        else:
+            self._sends += [(w, tensors) for w in self.pipe.send_next(list(tensors))]
+
+    def _receive_carry(self, rows: int) -> Carry:
+        shape = (rows, self.model.spec.hidden_size)
+        hidden = torch.empty(shape, dtype=self.model.dtype, device=self.device)
+        residual = torch.empty_like(hidden)
+        self.pipe.recv_prev([hidden, residual])
+        return hidden, residual
+
+    def wait_sends(self) -> None:
+        """Block until every send to another stage has left (before exiting)."""
+        for work, _ in self._sends:
+            work.wait()
+        self._sends = []
+
     @torch.inference_mode()
     def follow(
         self,
@@ -362,9 +435,17 @@ class ModelRunner:
     ) -> Replay | None:
         """A rank > 0: run the forward rank 0 announced (`prev_ids`: the previous step's
         sampled ids, for placeholder tokens). The caller releases the returned replay's
-        staging slot once the step has run."""
+        staging slot once the step has run. A later pipeline stage first receives its carry,
+        then passes its own on, or (the last stage's leader) sends the logits rows."""
         fill = self._fill(h, prev_ids) if h.fill_at else None
-        replay, _ = self._forward(h, fill, on_layer_done)
+        stage = self.model.stage
+        carry = None if self.pipe is None or stage.is_first else self._receive_carry(len(h.slots))
+        replay, out = self._forward(h, fill, on_layer_done, carry)
+        if self.pipe is not None:
+            if not stage.is_last:
+                self._pass_on(out, copy=replay is not None)
+            elif self.pipe.tp_rank == 0 and h.sample_rows:
+                self._pass_on((out,), copy=replay is not None, logits=True)
         return replay
 
     def _observe(self, batch: ScheduledBatch, replay: Replay | None) -> None:
@@ -381,30 +462,43 @@ class ModelRunner:
         return at, prev_ids.index_select(0, src)
 
     def _forward(
-        self, h: HostInputs, fill: Fill, on_layer_done: Callable[[int], None] | None
-    ) -> tuple[Replay | None, torch.Tensor | None]:
-        """(the replay whose staging slot the step uses, or None; the sampling rows' logits)."""
+        self,
+        h: HostInputs,
+        fill: Fill,
+        on_layer_done: Callable[[int], None] | None,
+        carry: Carry | None = None,
+    ) -> tuple[Replay | None, torch.Tensor | Carry | None]:
+        """(the replay whose staging slot the step uses, or None; the sampling rows' logits,
+        or a pipeline stage before the last: its carry)."""
+        if carry is None and not self.model.stage.is_first:
+            carry = self._zero_carry(len(h.slots))  # a memory probe of a later stage
+        last = self.model.stage.is_last
         if (
             self.graphs is not None
             and on_layer_done is None
             and h.is_decode_only
-            and self.graphs.fits(len(h.input_ids))
+            and self.graphs.fits(len(h.slots))
         ):
             replay = self.graphs.launch(
                 h.input_ids, h.positions, h.slots, h.seq_lens, h.block_tables, h.row_keys, fill,
-                h.groups,
+                h.groups, carry,
             )  # fmt: skip
-            return replay, replay.output
+            return replay, replay.output if last else replay.carry
         if (
             self.prefill_graphs is not None
             and not h.is_decode_only
-            and self.prefill_graphs.fits(len(h.input_ids))
+            and self.prefill_graphs.fits(len(h.slots))
         ):
             replay = self.prefill_graphs.launch(
-                h.input_ids, h.positions, self.metadata(h), fill, on_layer_done
+                h.input_ids, h.positions, self.metadata(h), fill, on_layer_done, carry
             )
-            return replay, self._logits(h, replay.output)
-        return None, self._eager(h, fill, on_layer_done)
+            return replay, self._logits(h, replay.output) if last else replay.carry
+        return None, self._eager(h, fill, on_layer_done, carry)
+
+    def _zero_carry(self, rows: int) -> Carry:
+        shape = (rows, self.model.spec.hidden_size)
+        hidden = torch.zeros(shape, dtype=self.model.dtype, device=self.device)
+        return hidden, torch.zeros_like(hidden)
 
     def _sample(self, handle: StepHandle, batch: ScheduledBatch, logits) -> None:
         if handle.sample_rows:
@@ -441,7 +535,8 @@ class ModelRunner:
         h: HostInputs,
         fill: tuple[torch.Tensor, torch.Tensor] | None,
         on_layer_done: Callable[[int], None] | None,
-    ) -> torch.Tensor | None:
+        carry: Carry | None = None,
+    ) -> torch.Tensor | Carry | None:
         ctx = ForwardContext(
             self.backend,
             self.metadata(h),
@@ -454,8 +549,8 @@ class ModelRunner:
         input_ids = self._tensor(h.input_ids, torch.int64)
         if fill is not None:
             input_ids.index_copy_(0, *fill)
-        hidden = self.model(input_ids, self._tensor(h.positions, torch.int64), ctx)
-        return self._logits(h, hidden)
+        out = self.model(input_ids, self._tensor(h.positions, torch.int64), ctx, carry)
+        return self._logits(h, out) if self.model.stage.is_last else out
 
     def _logits(self, h: HostInputs, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits of the sampling rows of `hidden` (one row per token)."""

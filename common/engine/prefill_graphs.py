@@ -12,6 +12,7 @@ the eager attention sees only the real tokens' rows (every backend gets an eager
 shapes, padding rows write no KV) and writes `attn_out`, whose padding rows hold stale, finite
 values (dense ops are row-wise). The per-layer hook runs right after that layer's attention,
 as in an eager step. On CPU nothing is captured; the same padded forward and boundary copies run.
+A pipeline stage captures only its layers, reading and writing the carry as `DecodeGraphs` does.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from common.engine.cuda_graphs import STAGING_DEPTH, Replay, StagingRing
+from common.engine.cuda_graphs import STAGING_DEPTH, Replay, StagingRing, carry_buffers
 from common.engine.kv_cache import KVCache
 from common.model.attention import AttentionBackend, AttentionMetadata, ForwardContext
 from common.model.attention.base import LatentProjection
@@ -54,7 +55,7 @@ class PrefillGraphs:
         self.buckets = token_buckets(max_tokens)
         n = self.max_tokens = self.buckets[-1]
         spec, pool = model.spec, kv_cache.pool
-        device, dtype = pool.device, model.lm_head.weight.dtype
+        device, dtype = pool.device, model.dtype
         self.on_cuda = device.type == "cuda"
         self._vectors = torch.zeros(2, n, dtype=torch.int64, device=device)  # ids, positions
         self.input_ids, self.positions = self._vectors
@@ -75,6 +76,9 @@ class PrefillGraphs:
             # Each layer's kv_b_proj views, seen as the model runs: the same weights each time.
             self.projections: list[LatentProjection | None] = [None] * spec.num_layers
         self.hidden = torch.zeros(n, spec.hidden_size, dtype=dtype, device=device)
+        stage = model.stage
+        self.residual = None if stage.is_last else torch.zeros_like(self.hidden)
+        self.carry_in = None if stage.is_first else carry_buffers(model, n, device)
         self.staging = StagingRing(STAGING_DEPTH, n, 1, pinned=self.on_cuda)
         self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.launches = 0  # steps served (tests and benchmarks read it)
@@ -111,14 +115,19 @@ class PrefillGraphs:
             "captured prefill graphs for %d token buckets %s (%d pieces each), %.1f MiB",
             len(self.buckets),
             self.buckets,
-            self.model.spec.num_layers + 1,
+            len(self.model.stage.layers) + 1,
             used / 2**20,
         )
         return used
 
     def _run(self, bucket: int, boundary: _Boundary) -> None:
-        hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], boundary)
-        self.hidden[:bucket].copy_(hidden)
+        carry = None if self.carry_in is None else tuple(t[:bucket] for t in self.carry_in)
+        out = self.model(self.input_ids[:bucket], self.positions[:bucket], boundary, carry)
+        if self.residual is None:
+            self.hidden[:bucket].copy_(out)
+        else:
+            self.hidden[:bucket].copy_(out[0])
+            self.residual[:bucket].copy_(out[1])
 
     @torch.inference_mode()
     def launch(
@@ -128,13 +137,18 @@ class PrefillGraphs:
         metadata: AttentionMetadata,
         fill_ids: tuple[torch.Tensor, torch.Tensor] | None = None,
         on_layer_done: LayerHook | None = None,
+        carry: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Replay:
         """Stage one step's tokens (padded to its bucket) and run it; the Replay's output is
         the hidden states of the real tokens, [T, hidden]. `metadata` describes the real
-        tokens, as for an eager step. `fill_ids` as in `DecodeGraphs.launch`."""
+        tokens, as for an eager step. `fill_ids` as in `DecodeGraphs.launch`; `carry` and
+        `Replay.carry` between pipeline stages, as there."""
         n = len(input_ids)
         bucket = self.bucket(n)
         slot, generation = self.staging.acquire()
+        if carry is not None:
+            for buffer, t in zip(self.carry_in, carry, strict=True):
+                buffer[:n].copy_(t)
         try:
             stage = slot.vectors
             stage[:2, :n] = torch.tensor([input_ids, positions])
@@ -153,6 +167,10 @@ class PrefillGraphs:
             slot.release(generation)
             raise
         self.launches += 1
+        if self.residual is not None:
+            return Replay(
+                self.hidden[:n], slot, generation, carry=(self.hidden[:n], self.residual[:n])
+            )
         return Replay(self.hidden[:n], slot, generation)
 
     def _replay(
@@ -161,7 +179,7 @@ class PrefillGraphs:
         pieces = self.pieces[bucket]
         ctx = self._context(metadata, hook)
         pieces[0].replay()
-        for layer, piece in enumerate(pieces[1:]):
+        for layer, piece in zip(self.model.stage.layers, pieces[1:], strict=True):
             self.attend(layer, n, ctx)
             piece.replay()
 

@@ -198,7 +198,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.awaiting_last_token:  # ends when its in-flight token resolves
+            if seq.awaiting_last_token or (self.prefill_only and seq.output_token_ids):
+                # Ends when its in-flight token resolves (a prefill_only sequence leaves with
+                # its first token: a pipelined node may schedule before it resolved).
                 i += 1
                 continue
             num_new = min(seq.num_pending_tokens, budget)

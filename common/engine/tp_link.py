@@ -11,6 +11,12 @@ input_ids, positions, slots (per token); query_lens, seq_lens, row keys, table l
 fill_from (per placeholder). Row keys are hashes of rank 0's `(request id, preemptions,
 blocks)` keys: equal hash, equal row (see `DecodeGraphs.launch`).
 
+Pipeline parallel (`common.model.distributed.PipeGroup`): the same messages also travel stage
+to stage, leader to leader, over gloo point-to-point sends (asynchronous); each stage's leader
+re-broadcasts them to its own tensor-parallel ranks and passes them on, so every process sees
+every step and command in one order. There are no sampled ids to share then: no step of a
+pipelined node reads a token before it is on the host (`EngineCore`).
+
 Between steps rank 0 may send a command (`kv_transfer.tp`: KV transfer calls a prefill rank
 mirrors, KV heads a decode rank writes): header `[COMMAND, bytes, payload rows, 0...]`, a
 msgpack map as a uint8 tensor, then an optional payload tensor over the device group. Commands
@@ -26,7 +32,7 @@ import msgpack
 import torch
 
 from common.engine.model_runner import HostInputs
-from common.model.distributed import TPGroup
+from common.model.distributed import PipeGroup, TPGroup
 
 STEP, STOP, COMMAND = 1, 2, 3
 HEADER = 8
@@ -74,35 +80,55 @@ def unpack(header: list[int], body: torch.Tensor) -> tuple[HostInputs, int]:
 
 
 class StepDriver:
-    """Rank 0's side: announce each step, then share its sampled ids."""
+    """Rank 0's side (and a later stage's leader, relaying): announce each step, then share
+    its sampled ids."""
 
-    def __init__(self, tp: TPGroup, device: torch.device) -> None:
-        self.tp, self.device = tp, device
+    def __init__(self, tp: TPGroup, device: torch.device, pipe: PipeGroup | None = None) -> None:
+        self.tp, self.device, self.pipe = tp, device, pipe
+        self._sends: list[tuple[Any, torch.Tensor]] = []  # to the next stage, not yet done
+
+    def announce(self, t: torch.Tensor) -> None:
+        """`t` (host) to this stage's other ranks, then to the next stage's leader."""
+        if self.tp.size > 1:
+            self.tp.broadcast(t, cpu=True)
+        if self.pipe is not None and not self.pipe.is_last:
+            self._sends = [(w, x) for w, x in self._sends if not w.is_completed()]
+            self._sends += [(w, t) for w in self.pipe.send_next([t], cpu=True)]
 
     def send_step(self, h: HostInputs, flags: int = 0) -> None:
         header, body = pack(h, flags)
-        self.tp.broadcast(header, cpu=True)
-        self.tp.broadcast(body, cpu=True)
+        self.announce(header)
+        self.announce(body)
 
     def send_ids(self, token_ids: torch.Tensor | None, rows: int) -> None:
         """Every step with sampled rows sends exactly `rows` ids, zeros when sampling failed,
-        so the ranks' collectives stay paired."""
-        if rows == 0:
+        so the ranks' collectives stay paired (a pipelined node shares none)."""
+        if rows == 0 or self.pipe is not None:
             return
         if token_ids is None:
             token_ids = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self.tp.broadcast(token_ids.to(torch.int64).contiguous())
 
     def stop(self) -> None:
-        self.tp.broadcast(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64), cpu=True)
+        self.announce(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64))
+        self.flush()
+
+    def flush(self) -> None:
+        """Wait until the next stage has everything announced so far."""
+        for work, _ in self._sends:
+            work.wait()
+        self._sends = []
 
     def send_command(self, command: dict[str, Any], payload: torch.Tensor | None = None) -> None:
-        """`payload`: a tensor of the model's device (its dtype and shape go in `command`)."""
+        """`payload`: a tensor of the model's device (its dtype and shape go in `command`);
+        commands with one stay within the stage (a decode rank's KV heads)."""
         data = msgpack.packb(command, use_bin_type=True)
         rows = 0 if payload is None else 1
+        if rows and self.pipe is not None:
+            raise ValueError("a command with a payload cannot cross pipeline stages")
         header = torch.tensor([COMMAND, len(data), rows] + [0] * (HEADER - 3), dtype=torch.int64)
-        self.tp.broadcast(header, cpu=True)
-        self.tp.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), cpu=True)
+        self.announce(header)
+        self.announce(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         if payload is not None:
             self.tp.broadcast(payload.contiguous())
 
@@ -111,23 +137,38 @@ Command = tuple[dict[str, Any], torch.Tensor | None]  # (map, payload)
 
 
 class StepFollower:
-    """A rank > 0: receive each step, run the same forward, receive the sampled ids."""
+    """A rank > 0: receive each step, run the same forward, receive the sampled ids. A later
+    pipeline stage's leader receives from the stage before and relays (`StepDriver`)."""
 
-    def __init__(self, tp: TPGroup, device: torch.device) -> None:
-        self.tp, self.device = tp, device
+    def __init__(self, tp: TPGroup, device: torch.device, pipe: PipeGroup | None = None) -> None:
+        self.tp, self.device, self.pipe = tp, device, pipe
+        self.relay: StepDriver | None = None
+        if pipe is not None and not pipe.is_first and tp.rank == 0:
+            self.relay = StepDriver(tp, device, pipe)
+
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        """The next host message into `t`: from the previous stage (relayed on), or from this
+        stage's leader."""
+        if self.relay is None:
+            return self.tp.broadcast(t, cpu=True)
+        self.pipe.recv_prev([t], cpu=True)
+        self.relay.announce(t)
+        return t
 
     def receive(self) -> tuple[HostInputs, int] | Command | None:
         """The next step `(inputs, flags)`, a command `(map, payload)`, or None: stop."""
-        header = self.tp.broadcast(torch.zeros(HEADER, dtype=torch.int64), cpu=True).tolist()
+        header = self._host(torch.zeros(HEADER, dtype=torch.int64)).tolist()
         if header[0] == STOP:
+            if self.relay is not None:
+                self.relay.flush()  # the STOP it passed on has left
             return None
         if header[0] == COMMAND:
             return self._command(header[1], header[2])
-        body = self.tp.broadcast(torch.zeros(body_size(header), dtype=torch.int64), cpu=True)
+        body = self._host(torch.zeros(body_size(header), dtype=torch.int64))
         return unpack(header, body)
 
     def _command(self, nbytes: int, rows: int) -> Command:
-        data = self.tp.broadcast(torch.zeros(nbytes, dtype=torch.uint8), cpu=True)
+        data = self._host(torch.zeros(nbytes, dtype=torch.uint8))
         command = msgpack.unpackb(data.numpy().tobytes(), raw=False)
         payload = None
         if rows:
@@ -137,6 +178,6 @@ class StepFollower:
         return command, payload
 
     def receive_ids(self, rows: int) -> torch.Tensor | None:
-        if rows == 0:
+        if rows == 0 or self.pipe is not None:
             return None
         return self.tp.broadcast(torch.zeros(rows, dtype=torch.int64, device=self.device))

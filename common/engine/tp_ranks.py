@@ -1,5 +1,6 @@
-"""The processes of a tensor-parallel node: rank 0 is the node itself, ranks 1..tp-1 are
-children it starts (`multiprocessing` spawn), watches and stops.
+"""The processes of a tensor- or pipeline-parallel node: rank 0 is the node itself, ranks
+1..pp*tp-1 (every stage's tensor-parallel ranks) are children it starts (`multiprocessing`
+spawn), watches and stops.
 
 Lifetimes are tied both ways: a rank that exits while the node runs takes the node down
 (`RANK_DIED`: its collectives could never complete again), and a rank whose parent is gone
@@ -62,8 +63,14 @@ def free_tcp_address() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
+def rank_name(rank: int, tp: int, pp: int) -> str:
+    if pp == 1:
+        return f"tp-rank-{rank}"
+    return f"pp-stage-{rank // tp}-tp-rank-{rank % tp}"
+
+
 class RankProcesses:
-    """Ranks 1..tp-1 of the node whose rank 0 runs in this process."""
+    """Ranks 1..pp*tp-1 of the node whose rank 0 runs in this process."""
 
     def __init__(self, config: EngineConfig, role: RankRole) -> None:
         self.init_method = free_tcp_address()
@@ -73,14 +80,14 @@ class RankProcesses:
             ctx.Process(
                 target=rank_main,
                 args=(config, role, rank, self.init_method, os.getpid()),
-                name=f"tp-rank-{rank}",
+                name=rank_name(rank, config.tp, config.pp),
                 daemon=True,  # multiprocessing terminates daemons when this process exits
             )
-            for rank in range(1, config.tp)
+            for rank in range(1, config.world_size)
         ]
         for proc in self.procs:
             proc.start()
-        log.info("started tensor-parallel ranks %s", [p.pid for p in self.procs])
+        log.info("started ranks %s", {p.name: p.pid for p in self.procs})
         # A process that exits without `Worker.close()` kills its ranks (they ignore SIGTERM,
         # which multiprocessing's own exit handler would send, and wait in a collective).
         atexit.register(self.terminate)
@@ -91,7 +98,7 @@ class RankProcesses:
             for proc in self.procs:
                 if proc.exitcode is not None and not self._stopping:
                     log.error(
-                        "tensor-parallel rank %s (pid %d) exited with %s: stopping the node",
+                        "rank %s (pid %d) exited with %s: stopping the node",
                         proc.name, proc.pid, proc.exitcode,
                     )  # fmt: skip
                     self.terminate()
@@ -130,11 +137,11 @@ def rank_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    envs.setup_logging(f"tp-rank-{rank}")
+    envs.setup_logging(rank_name(rank, config.tp, config.pp))
     if "OMP_NUM_THREADS" not in os.environ:  # CPU ranks share the cores (the launcher sets it)
         import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
     from common.engine.worker import Worker
 
     worker = Worker(config, role, rank, init_method)

@@ -3,11 +3,14 @@
 Built once per engine process. Values found at run time go to `RuntimeInfo`; the frozen
 `EngineConfig` is never modified. With `tp > 1` rank 0's Worker starts the other ranks
 (`common.engine.tp_ranks`), which build the same Worker and `follow` rank 0's steps; every rank
-has the same number of KV blocks (the smallest any rank can hold).
+has the same number of KV blocks (the smallest any rank can hold). With `pp > 1` the node is
+pp stages of tp ranks (global rank = stage * tp + tp rank), rank 0 starts them all, and each
+stage's Worker builds only its layers (`PPLayout`) and their KV pool, with the same block ids.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections import deque
@@ -46,9 +49,15 @@ from common.engine.tp_link import StepDriver, StepFollower
 from common.engine.tp_ranks import RankHandler, RankProcesses, RankRole
 from common.model.attention import create_backend
 from common.model.attention.selection import choose_backend
-from common.model.distributed import TPGroup
+from common.model.distributed import PipeGroup, TPGroup, close_world, init_node_groups
 from common.model.loader import build_model
-from common.model.parallel import TPLayout, check_expert_parallel, rank_spec
+from common.model.parallel import (
+    PPLayout,
+    StageLayers,
+    TPLayout,
+    check_expert_parallel,
+    rank_spec,
+)
 from common.model.quantization.config import resolve_quantization
 from common.model.source import ModelSource, read_spec, resolve_model
 from common.model.spec import ModelSpec
@@ -79,17 +88,21 @@ class RuntimeInfo:
     weight_bytes: int = 0
     tp: int = 1
     expert_parallel: bool = False  # whole experts per rank (the KV is the same either way)
+    pp: int = 1
+    pp_layers: tuple[int, ...] = ()  # layers per pipeline stage (pp > 1)
 
 
 def pick_device(name: str, rank: int = 0, tp: int = 1) -> torch.device:
     """`rank`'s device: `cuda:A,B,...` names one GPU per rank; with several ranks `cuda` (or
-    `auto` with a GPU) means GPUs 0..tp-1."""
+    `auto` with a GPU) means GPUs 0..tp-1. `tp`: every rank of the node (pp x tp)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and tp > 1:
         ids = name.partition(":")[2].split(",") if ":" in name else [str(r) for r in range(tp)]
         if len(ids) != tp:
-            raise ValueError(f"device {name!r} must name one GPU per rank (tp={tp}): cuda:A,B,...")
+            raise ValueError(
+                f"device {name!r} must name one GPU per rank ({tp} ranks): cuda:A,B,..."
+            )
         name = f"cuda:{ids[rank]}"
     device = torch.device(name)
     if device.type == "cuda":
@@ -122,7 +135,7 @@ class Worker:
         speculative proposer's weights and pool (a prefill node never drafts)."""
         self.config = config
         mc, cc = config.model, config.cache
-        self.device = pick_device(mc.device, rank, config.tp)
+        self.device = pick_device(mc.device, rank, config.world_size)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = pick_dtype(mc.dtype, self.device)
@@ -131,9 +144,15 @@ class Worker:
         )
         self.spec: ModelSpec = read_spec(self.source)
         TPLayout.of(self.spec, config.tp)  # a TP size the model cannot split fails here
+        self.pp_layout = PPLayout.of(self.spec.num_layers, config.pp, config.pp_layer_partition)
         if config.enable_expert_parallel:
             check_expert_parallel(self.spec, config.tp)
         method = config.speculative.speculative_method
+        if config.pp > 1 and (method != "none" if drafts else method == "eagle3"):
+            raise ValueError(
+                f"speculative_method={method} with pp={config.pp}: pipelined nodes do not "
+                "speculate (decode steps run synchronously there); use --pp 1 for this pool"
+            )
         if drafts and method in ("draft", "eagle3") and config.tp > 1:
             # Refused before any rank starts (a prefill pool, which never drafts, may be TP).
             raise ValueError(
@@ -146,15 +165,25 @@ class Worker:
                 "targets (latent attention) yet; use --speculative-method ngram"
             )
         self.ranks = None
-        if config.tp > 1 and rank == 0:
+        if config.world_size > 1 and rank == 0:
             self.ranks = RankProcesses(config, role or RankRole())
         self.tp = TPGroup.single()
-        if config.tp > 1:
-            address = self.ranks.init_method if self.ranks else init_method
-            ep = config.enable_expert_parallel
+        self.pipe: PipeGroup | None = None
+        address = self.ranks.init_method if self.ranks else init_method
+        ep = config.enable_expert_parallel
+        if config.pp > 1:
+            self.tp, self.pipe = init_node_groups(
+                rank, config.tp, self.pp_layout, address, self.device, expert_parallel=ep
+            )
+        elif config.tp > 1:
             self.tp = TPGroup.init(rank, config.tp, address, self.device, expert_parallel=ep)
+        self.stage = StageLayers.whole(self.spec.num_layers)
+        if self.pipe is not None:
+            self.stage = StageLayers.of(self.pp_layout, self.pipe.stage)
         # This rank's heads, KV heads and MLP slice: what its layers and KV pool hold.
         self.rank_spec = rank_spec(self.spec, self.tp.layout(self.spec))
+        # What its KV pool is sized by: its stage's layers.
+        self.kv_spec = dataclasses.replace(self.rank_spec, num_layers=len(self.stage.layers))
         max_len = mc.max_model_len or self.spec.max_position_embeddings
         if not config.scheduler.enable_chunked_prefill:
             # An unsplittable prompt (or a preempted sequence's recompute) must fit one step.
@@ -172,6 +201,7 @@ class Worker:
             seed=mc.seed,
             tp=self.tp,
             quantization=mc.quantization,
+            stage=self.stage,
         )
         # Before the KV pool is sized: the GPU's warm-up peak then includes these weights.
         self.proposer_weights = None
@@ -198,11 +228,12 @@ class Worker:
         log.info("attention backend: %s (%s)", backend_name, why)
         self.backend = create_backend(backend_name, config.mla_prefill)
         self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
-        num_blocks = self.tp.min_int(self._size_kv_cache(max_len))
+        num_blocks = self._size_kv_cache(max_len)
+        num_blocks = self.pipe.min_int(num_blocks) if self.pipe else self.tp.min_int(num_blocks)
         k_scales, v_scales = _kv_scales(self.model)
         self.kv_cache = KVCache.allocate(
             self.rank_spec, num_blocks, cc.block_size, self.kv_dtype, self.device,
-            k_scales, v_scales,
+            k_scales, v_scales, self.stage.layers,
         )  # fmt: skip
         self.allocator = BlockAllocator(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.proposer = None  # a draft model or EAGLE-3 head with its pool (n-gram: none)
@@ -212,8 +243,9 @@ class Worker:
                 self.backend,
             )  # fmt: skip
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device)
-        if self.tp.size > 1 and self.tp.is_driver:
-            self.runner.link = StepDriver(self.tp, self.device)
+        self.runner.pipe = self.pipe
+        if config.world_size > 1 and rank == 0:
+            self.runner.link = StepDriver(self.tp, self.device, self.pipe)
         self.runner.logits_processors = LogitsProcessors(
             lambda: self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids
         )
@@ -252,8 +284,10 @@ class Worker:
             weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
             tp=self.tp.size,
             expert_parallel=self.tp.expert_parallel,
+            pp=config.pp,
+            pp_layers=self.pp_layout.sizes if config.pp > 1 else (),
         )
-        log.info("worker ready (rank %d of %d): %s", self.tp.rank, self.tp.size, self.runtime)
+        log.info("worker ready (rank %d of %d): %s", rank, config.world_size, self.runtime)
 
     @functools.cached_property
     def tokenizer(self) -> Any | None:
@@ -266,7 +300,7 @@ class Worker:
         and gives the per-layer hook of steps rank 0 runs with one (`kv_transfer.tp`). Like
         rank 0, it keeps one step in flight: a replay's staging slot is given back once the
         step after it was queued and the replayed step has finished (an event)."""
-        follower = StepFollower(self.tp, self.device)
+        follower = StepFollower(self.tp, self.device, self.pipe)
         prev_ids = None
         pending: deque[tuple[Any, torch.cuda.Event | None]] = deque()
         while (message := follower.receive()) is not None:
@@ -292,6 +326,7 @@ class Worker:
             if done is not None:
                 done.synchronize()
             replay.release()
+        self.runner.wait_sends()
 
     def close(self) -> None:
         """Rank 0: stop the other ranks (they return from `follow`), then leave the group."""
@@ -301,7 +336,10 @@ class Worker:
         if self.ranks is not None:
             self.ranks.stop()
             self.ranks = None
-        self.tp.close()
+        if self.pipe is not None:
+            close_world(self.config.world_size)
+        else:
+            self.tp.close()
 
     def new_sequence(self, request_id: str, prompt: Any, params: SamplingParams) -> Sequence:
         """A validated Sequence for this process: ValueError (with the offending values) for an
@@ -353,7 +391,7 @@ class Worker:
         extra = 0
         if self.proposer_weights is not None:
             extra = self.proposer_weights.block_bytes(cc.block_size, self.dtype)
-        return num_blocks_for_budget(self.rank_spec, cc.block_size, self.kv_dtype, budget, extra)
+        return num_blocks_for_budget(self.kv_spec, cc.block_size, self.kv_dtype, budget, extra)
 
     def _decode_graph_rows(self) -> int:
         """Most rows of a decode step: one per sequence, or with speculation one per verified

@@ -19,7 +19,6 @@ on every rank, so each rank computes and caches the whole latent. Feed-forward p
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
 import torch
@@ -29,14 +28,14 @@ from common.model.attention.base import ForwardContext, LatentProjection
 from common.model.distributed import TPGroup
 from common.model.layers.basic import RMSNorm, RotaryEmbedding
 from common.model.layers.linear import ColumnParallelLinear, RowParallelLinear
-from common.model.llama import LlamaForCausalLM
+from common.model.llama import LlamaForCausalLM, layer_index
+from common.model.parallel import StageLayers
 from common.model.quantization import LinearMethod, UnquantizedLinearMethod
 from common.model.spec import ModelSpec
 
 # DeepSeek's reference code builds q_a_layernorm and kv_a_layernorm with RMSNorm's default eps,
 # not the config's rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def replicated_linear(
@@ -123,6 +122,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         max_positions: int,
         tp: TPGroup | None = None,
         linear_method: LinearMethod | None = None,
+        stage: StageLayers | None = None,
     ) -> None:
         if spec.mla is None:
             raise ValueError(f"{spec.architecture}: a DeepSeek model needs an MLA spec")
@@ -131,20 +131,15 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
                 f"{spec.architecture}: quantized weights are not supported yet; serve this "
                 "checkpoint in bf16"
             )
-        super().__init__(spec, max_positions, tp, linear_method)
+        super().__init__(spec, max_positions, tp, linear_method, stage)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """As `LlamaForCausalLM.load_weights`, skipping the multi-token-prediction layers that
         published V3 checkpoints append after the last decoder layer."""
         num_layers = self.spec.num_layers
-        super().load_weights((n, t) for n, t in weights if _layer_index(n) < num_layers)
+        super().load_weights((n, t) for n, t in weights if layer_index(n) < num_layers)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     """V3 differs in routing (sigmoid scores, correction bias: `MoESpec`) and may rotate
     Neox-style (`rope_interleave` off), both read into the spec."""
-
-
-def _layer_index(name: str) -> int:
-    match = _LAYER.match(name)
-    return -1 if match is None else int(match.group(1))

@@ -14,6 +14,11 @@ Tensor parallelism (`common.model.parallel`): the model is built from the full `
 a `TPGroup`; its layers hold this rank's slice (`common.model.layers.linear`, `.vocab`) and
 cut it out of the full checkpoint tensors themselves. With one rank the collectives are
 no-ops and the model is the plain one.
+
+Pipeline parallelism: a stage's model (`StageLayers`) builds only its decoder layers (the
+others are `MissingLayer`s, so checkpoint names keep their indices), the embedding on the first
+stage, the final norm and LM head on the last; loading skips every tensor of another stage. A
+stage after the first is fed the (hidden, residual) pair its predecessor returned (`carry`).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from common.model.layers.linear import (
 from common.model.layers.moe import GATE, UP, Experts, MoEBlock
 from common.model.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from common.model.layers.weights import default_weight_loader
-from common.model.parallel import rank_spec
+from common.model.parallel import StageLayers, rank_spec
 from common.model.quantization import LinearMethod, UnquantizedLinearMethod
 from common.model.quantization.activation import Fp8Activation
 from common.model.spec import ModelSpec
@@ -48,6 +53,16 @@ PACKED_MODULES: dict[str, tuple[str, ...]] = {
 
 
 KV_SCALES = ("self_attn.k_scale", "self_attn.v_scale")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+Carry = tuple[torch.Tensor, torch.Tensor]  # (hidden, residual) between pipeline stages
+
+
+def layer_index(name: str) -> int:
+    """The decoder layer a checkpoint tensor belongs to, or -1."""
+    match = _LAYER.match(name)
+    return -1 if match is None else int(match.group(1))
+
 
 # A published expert tensor's projection name -> (our stacked parameter, its shard); Mixtral
 # names them w1 (gate), w3 (up), w2 (down).
@@ -196,6 +211,10 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class MissingLayer(nn.Module):
+    """Another pipeline stage's decoder layer: no weights here."""
+
+
 class LlamaModel(nn.Module):
     def __init__(
         self,
@@ -204,13 +223,18 @@ class LlamaModel(nn.Module):
         tp: TPGroup,
         method: LinearMethod | None,
         attention: type[nn.Module] = Attention,
+        stage: StageLayers | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(tp.layout(spec), spec.hidden_size, tp)
+        self.stage = stage = stage or StageLayers.whole(spec.num_layers)
+        self.embed_tokens = None
+        if stage.is_first:
+            self.embed_tokens = VocabParallelEmbedding(tp.layout(spec), spec.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, tp, method, attention) for i in range(spec.num_layers)
+            DecoderLayer(spec, i, tp, method, attention) if i in stage.layers else MissingLayer()
+            for i in range(spec.num_layers)
         )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if stage.is_last else None
         self.rotary = RotaryEmbedding(spec.rotary_dim, max_positions, spec.rope)
         # EAGLE-3 (opt-in): ids i in 0..num_layers, ascending, of the residual stream a forward
         # leaves in `aux_hidden` (layer i's input; num_layers: the last layer's output before
@@ -218,18 +242,30 @@ class LlamaModel(nn.Module):
         self.aux_hidden_layers: tuple[int, ...] = ()
         self.aux_hidden: torch.Tensor | None = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
-        hidden = self.embed_tokens(input_ids)
-        residual = None
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        carry: Carry | None = None,
+    ) -> torch.Tensor | Carry:
+        """The final hidden states (last stage), else the (hidden, residual) carry for the
+        next stage. A stage after the first reads `carry`, not `input_ids`."""
+        if carry is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = carry
         aux: list[torch.Tensor] = []
-        for i, layer in enumerate(self.layers):
+        for i in self.stage.layers:
             if i in self.aux_hidden_layers:
                 aux.append(hidden if residual is None else hidden + residual)
-            hidden, residual = layer(positions, hidden, residual, self.rotary, ctx)
+            hidden, residual = self.layers[i](positions, hidden, residual, self.rotary, ctx)
         if len(self.layers) in self.aux_hidden_layers:
             aux.append(hidden + residual)
         if aux:
             self.aux_hidden = torch.cat(aux, dim=-1)
+        if self.norm is None:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -252,18 +288,33 @@ class LlamaForCausalLM(nn.Module):
         max_positions: int,
         tp: TPGroup | None = None,
         linear_method: LinearMethod | None = None,
+        stage: StageLayers | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp = tp or TPGroup.single()
         layout = tp.layout(spec)
         self.spec = rank_spec(spec, layout)
-        self.model = LlamaModel(spec, max_positions, tp, linear_method, self.attention)
-        self.lm_head = ParallelLMHead(layout, spec.hidden_size, tp)
-        if spec.tie_word_embeddings:
+        self.stage = stage = stage or StageLayers.whole(spec.num_layers)
+        # The dtype the model was built in (build_model sets it as the default): what its
+        # activations, and a KV pool in the model dtype, use.
+        self.dtype = torch.get_default_dtype()
+        self.model = LlamaModel(spec, max_positions, tp, linear_method, self.attention, stage)
+        self.lm_head = ParallelLMHead(layout, spec.hidden_size, tp) if stage.is_last else None
+        if spec.tie_word_embeddings and stage.is_whole:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
-        return self.model(input_ids, positions, ctx)
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        carry: Carry | None = None,
+    ) -> torch.Tensor | Carry:
+        return self.model(input_ids, positions, ctx, carry)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits of `hidden`'s rows, written into `out` ([rows, vocab] float32) when
@@ -285,6 +336,9 @@ class LlamaForCausalLM(nn.Module):
                 continue  # inv_freq buffers some checkpoints carry; ours is computed
             if name == "lm_head.weight" and self.spec.tie_word_embeddings:
                 continue
+            name = self._stage_name(name)
+            if name is None:
+                continue  # another pipeline stage's tensor
             name = _kv_scale_name(name).replace(".block_sparse_moe.", ".mlp.")  # Mixtral's
             if name in kv_scales:
                 if tensor.numel() != 1:
@@ -309,6 +363,24 @@ class LlamaForCausalLM(nn.Module):
                 missing.append(f"{name}: {', '.join(module.missing()[:4])}")
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {missing[:8]}")
+
+    def _stage_name(self, name: str) -> str | None:
+        """`name` as this stage holds it, or None when another stage does. A last stage
+        without the embedding loads a tied LM head from the embedding's tensor."""
+        stage = self.stage
+        if stage.is_whole:
+            return name
+        layer = layer_index(name)
+        if layer >= 0:
+            return name if layer in stage.layers else None
+        if name.startswith("model.embed_tokens."):
+            if stage.is_first:
+                return name
+            tied = self.spec.tie_word_embeddings and stage.is_last
+            return name.replace("model.embed_tokens.", "lm_head.") if tied else None
+        if name.startswith(("model.norm.", "lm_head.")):
+            return name if stage.is_last else None
+        return name
 
     def _packed_target(self, name: str) -> tuple[str, int | None]:
         for fused, parts in self.packed_modules.items():

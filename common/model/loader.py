@@ -15,6 +15,7 @@ import torch
 
 from common.model.distributed import TPGroup
 from common.model.layers.linear import process_weights_after_loading
+from common.model.parallel import StageLayers
 from common.model.quantization.selection import linear_method_for
 from common.model.registry import CausalLM, model_class
 from common.model.source import ModelSource
@@ -36,10 +37,12 @@ def build_model(
     seed: int = 0,
     tp: TPGroup | None = None,
     quantization: str = "auto",
+    stage: StageLayers | None = None,
 ) -> CausalLM:
     """The model of `spec` (the full model's) for rank `tp.rank` of `tp.size`, its layers
-    cutting their slices out of the full checkpoint tensors (or full dummy tensors).
-    `quantization`: "auto" (as the checkpoint is stored) or "fp8" (quantize at load)."""
+    cutting their slices out of the full checkpoint tensors (or full dummy tensors); `stage`:
+    the layers of one pipeline stage (default: all). `quantization`: "auto" (as the
+    checkpoint is stored) or "fp8" (quantize at load)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     tp = tp or TPGroup.single()
@@ -48,13 +51,14 @@ def build_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = cls(spec, max_positions, tp, linear_method_for(spec, quantization, load_format))
+            method = linear_method_for(spec, quantization, load_format)
+            model = cls(spec, max_positions, tp, method, stage)
     finally:
         torch.set_default_dtype(previous)
     if torch.device(device).type == "meta":
         return model.eval()  # shapes only, no memory: for sizing a model (parameter counts)
     with torch.no_grad():
-        if load_format == "dummy" and tp.size == 1:
+        if load_format == "dummy" and tp.size == 1 and model.stage.is_whole:
             fill_dummy_weights(model, seed)
         elif load_format == "dummy":
             model.load_weights(dummy_full_tensors(cls, spec, max_positions, seed, dtype, device))

@@ -114,3 +114,75 @@ def check_expert_parallel(spec: ModelSpec, size: int) -> None:
             f"enable_expert_parallel: tp={size} does not divide the {spec.moe.num_experts} "
             f"experts of {spec.architecture}"
         )
+
+
+@dataclass(frozen=True)
+class PPLayout:
+    """Which layers each pipeline stage holds: stage s runs layers `layers(s)` and keeps only
+    their KV; stage 0 also embeds the tokens, the last stage applies the final norm and the
+    LM head (so the logits of a step leave the last stage)."""
+
+    sizes: tuple[int, ...]  # layers per stage
+
+    def __post_init__(self) -> None:
+        if not self.sizes or any(n < 1 for n in self.sizes):
+            raise ValueError(f"every pipeline stage needs at least one layer, got {self.sizes}")
+
+    @classmethod
+    def of(cls, num_layers: int, pp: int, partition: str | None = None) -> PPLayout:
+        """Even stages (the earlier ones take the remainder), or `partition`: layers per
+        stage, comma-separated, summing to `num_layers`."""
+        if pp < 1:
+            raise ValueError(f"pp must be >= 1, got {pp}")
+        if partition is None:
+            if pp > num_layers:
+                raise ValueError(f"pp={pp} stages for {num_layers} layers")
+            base, extra = divmod(num_layers, pp)
+            return cls(tuple(base + (s < extra) for s in range(pp)))
+        try:
+            sizes = tuple(int(part) for part in partition.split(","))
+        except ValueError:
+            raise ValueError(f"pp_layer_partition must be comma-separated ints, got {partition!r}")
+        if len(sizes) != pp or sum(sizes) != num_layers:
+            raise ValueError(
+                f"pp_layer_partition {partition!r} must give {pp} stages summing to the "
+                f"model's {num_layers} layers"
+            )
+        return cls(sizes)
+
+    @property
+    def size(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def num_layers(self) -> int:
+        return sum(self.sizes)
+
+    def layers(self, stage: int) -> range:
+        start = sum(self.sizes[:stage])
+        return range(start, start + self.sizes[stage])
+
+    def stage_of(self, layer: int) -> int:
+        return next(s for s in range(self.size) if layer in self.layers(s))
+
+
+@dataclass(frozen=True)
+class StageLayers:
+    """What one pipeline stage's model holds: its decoder layers, the embedding if it is the
+    first stage, the final norm and LM head if it is the last."""
+
+    layers: range
+    is_first: bool = True
+    is_last: bool = True
+
+    @classmethod
+    def whole(cls, num_layers: int) -> StageLayers:
+        return cls(range(num_layers))
+
+    @classmethod
+    def of(cls, layout: PPLayout, stage: int) -> StageLayers:
+        return cls(layout.layers(stage), stage == 0, stage == layout.size - 1)
+
+    @property
+    def is_whole(self) -> bool:
+        return self.is_first and self.is_last

@@ -13,6 +13,7 @@ from common.model.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from common.model.distributed import TPGroup
 from common.model.layers.vocab import ParallelLMHead
 from common.model.llama import LlamaForCausalLM
+from common.model.parallel import StageLayers
 from common.model.quantization import LinearMethod
 from common.model.spec import ModelSpec
 
@@ -21,7 +22,9 @@ class CausalLM(Protocol):
     """What the engine needs of a model (an `nn.Module`); see `LlamaForCausalLM`."""
 
     spec: ModelSpec  # this rank's
-    lm_head: ParallelLMHead  # plain (never quantized): its weight's dtype is the model's
+    stage: StageLayers  # the layers this pipeline stage holds (all of them without PP)
+    dtype: torch.dtype  # the model's (activations; a KV pool in the model dtype)
+    lm_head: ParallelLMHead | None  # plain (never quantized); the last stage's only
 
     def __init__(
         self,
@@ -29,11 +32,19 @@ class CausalLM(Protocol):
         max_positions: int,
         tp: TPGroup | None = None,
         linear_method: LinearMethod | None = None,
+        stage: StageLayers | None = None,
     ) -> None: ...
 
+    @property
+    def device(self) -> torch.device: ...
+
     def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor: ...
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        carry: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
     def compute_logits(
         self, hidden: torch.Tensor, out: torch.Tensor | None = None
