@@ -142,7 +142,9 @@ class PPLayout:
         try:
             sizes = tuple(int(part) for part in partition.split(","))
         except ValueError:
-            raise ValueError(f"pp_layer_partition must be comma-separated ints, got {partition!r}")
+            raise ValueError(
+                f"pp_layer_partition must be comma-separated ints, got {partition!r}"
+            ) from None
         if len(sizes) != pp or sum(sizes) != num_layers:
             raise ValueError(
                 f"pp_layer_partition {partition!r} must give {pp} stages summing to the "
