@@ -115,7 +115,14 @@ class PDAdmission:
 
     @staticmethod
     def rank_role(config: NodeConfig, engine_config: EngineConfig) -> RankRole | None:
-        """What the node's tensor-parallel ranks run; ValueError for a transport they lack."""
+        """What the node's tensor-parallel ranks run; ValueError for a transport they lack, or
+        for pipeline stages (received KV would have to be forwarded between them)."""
+        if engine_config.pp > 1:
+            raise ValueError(
+                f"a decode node receiving KV runs one pipeline stage; this one has "
+                f"pp={engine_config.pp} (pipeline-parallel decode runs --colocated; in PD, "
+                "use --decode-tp and pipeline the prefill pool with --prefill-pp)"
+            )
         check_transport(config.transport, engine_config.tp)
         return RankRole(partial(decode_rank_handler, config.transport))
 

@@ -87,6 +87,9 @@ class TransferConfig:
     # head_start on, and `senders` ranks of its node each ship their heads.
     head_start: int = 0
     senders: int = 1
+    # Pipeline parallel: this stage's pool holds the model's layers from layer_start on (its
+    # pool layer 0); frames and writes name the model's layer numbers.
+    layer_start: int = 0
     # How long a closing sender's sockets keep trying to deliver what they were handed.
     close_linger_s: float = 5.0
     # The pool's format (the node's `RuntimeInfo.kv_format`). A sender announces it in each

@@ -83,6 +83,7 @@ class _Senders:
 
     expected: int = 1  # sending ranks, as their messages say
     direct: dict[bytes, range] = field(default_factory=dict)  # writes the pool: its heads
+    layers: dict[bytes, range | None] = field(default_factory=dict)  # ... of these layers
     frames: set[bytes] = field(default_factory=set)  # its bytes come through this receiver
     stopped: set[bytes] = field(default_factory=set)  # its "abort" or "complete" arrived
     told: set[bytes] = field(default_factory=set)  # sent a "cancel"
@@ -271,6 +272,7 @@ class CudaIpcReceiver(KVReceiver):
         if start.direct:
             heads, refusal = self._heads(start.heads)
             senders.direct[identity] = heads
+            senders.layers[identity] = range(*start.layers) if start.layers else None
         else:
             senders.frames.add(identity)
         if request_id in self._held:
@@ -313,8 +315,9 @@ class CudaIpcReceiver(KVReceiver):
         elif senders is not None and identity in senders.direct:
             heads = senders.direct[identity]
             self._ledger.complete_written(
-                request_id, message.metadata, completion_payload(frames), heads, message.senders
-            )
+                request_id, message.metadata, completion_payload(frames), heads, message.senders,
+                senders.layers.get(identity),
+            )  # fmt: skip
         else:
             self._ledger.complete(
                 request_id, message.metadata, message.senders, completion_payload(frames)

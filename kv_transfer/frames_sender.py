@@ -72,6 +72,7 @@ class FrameSender:
         # Tensor parallel: this rank's pool holds the model's KV heads from head_start on;
         # `senders` ranks each ship theirs (TransferConfig).
         self._head_start, self._senders = config.head_start, config.senders
+        self._layer_start = config.layer_start  # pipeline stage: model layer of pool layer 0
         self._format = None if config.kv_format is None else config.kv_format.to_dict()
         self._queue: deque[_Queued] = deque()
 
@@ -80,7 +81,8 @@ class FrameSender:
         layer frame of the transfer announces the pool's KV format."""
         announce = self._format if not entry.layers else None
         for layer in layers:
-            payload, ready = self._stager.stage(self._pool, layer, entry.transfer.block_ids)
+            local = layer - self._layer_start
+            payload, ready = self._stager.stage(self._pool, local, entry.transfer.block_ids)
             header = LayerHeader(
                 entry.transfer.request_id, layer, entry.dst_block_ids, str(payload.dtype),
                 list(payload.shape), self._head_start, announce,

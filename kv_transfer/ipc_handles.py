@@ -116,6 +116,8 @@ class Start:
     # Direct: [start, stop) of the model's KV heads it writes (None: all); frames carry theirs.
     heads: list[int] | None = None
     senders: int = 1  # prefill ranks that each write a share of the heads (tensor parallel)
+    # Direct: [start, stop) of the model's layers it writes (None: all; a pipeline stage's).
+    layers: list[int] | None = None
 
 
 @dataclass(frozen=True)

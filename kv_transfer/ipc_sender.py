@@ -17,6 +17,7 @@ learns of it. Incoming "cancel" / "reset" notices are read at the start of every
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -37,6 +38,7 @@ from kv_transfer.ipc_handles import (
     Hello,
     IpcUnavailable,
     NoExport,
+    OpenedPool,
     PoolExport,
     RankExports,
     Reset,
@@ -99,6 +101,8 @@ class CudaIpcSender(KVSender):
         self._format = None if config.kv_format is None else config.kv_format.to_dict()
         # The model's KV heads this pool holds, and the ranks of its node that each send theirs.
         self._heads = range(config.head_start, config.head_start + pool.shape[4])
+        # A pipeline stage's pool holds the model's layers from layer_start on.
+        self._layers = range(config.layer_start, config.layer_start + pool.shape[0])
         self._senders = config.senders
         self._closed = False
 
@@ -147,8 +151,9 @@ class CudaIpcSender(KVSender):
             self._jobs[request_id] = _DirectJob(dest_address, writer, pairs)
         direct = writer is not None
         heads = [self._heads.start, self._heads.stop] if direct else None
+        layers = [self._layers.start, self._layers.stop] if direct else None
         session = dest.session if direct else ""
-        start = Start(request_id, session, direct, self._format, heads, self._senders)
+        start = Start(request_id, session, direct, self._format, heads, self._senders, layers)
         if not self._send(dest_address, [encode_message(start)]):
             self._fail(entry, f"send queue to {dest_address} is full")
         return entry.transfer
@@ -172,7 +177,8 @@ class CudaIpcSender(KVSender):
         job = self._jobs.get(request_id)
         if job is not None:
             try:
-                job.last_write = job.writer.write_layers(layers, job.pairs)
+                local = range(layers.start - self._layers.start, layers.stop - self._layers.start)
+                job.last_write = job.writer.write_layers(local, job.pairs)
             except RuntimeError as exc:  # e.g. a kernel launch error
                 log.exception("CUDA IPC write of %s failed", request_id)
                 self._fail(entry, f"CUDA IPC write failed: {exc}")
@@ -306,8 +312,8 @@ class CudaIpcSender(KVSender):
             targets = [(reply, range(reply.shape[4] if len(reply.shape) == 6 else 0))]
         mine = self._heads
         try:
-            remotes = [  # the pools that hold some of this pool's heads
-                (open_pool(export, self._pool), heads)
+            remotes = [  # the pools that hold some of this pool's heads, from its first layer
+                (_from_layer(open_pool(export, self._pool), self._layers), heads)
                 for export, heads in targets
                 if heads.start < mine.stop and mine.start < heads.stop
             ]
@@ -396,3 +402,12 @@ class CudaIpcSender(KVSender):
 
 def _cancelled(reason: str) -> str:
     return f"{CANCELLED_BY_RECEIVER}: {reason}" if reason else CANCELLED_BY_RECEIVER
+
+
+def _from_layer(opened: OpenedPool, layers: range) -> OpenedPool:
+    """The remote pool seen from a pipeline stage's first layer (the stage's pool layer 0),
+    so the copy kernels index both pools alike."""
+    if layers.start == 0 and opened.tensor.shape[0] == len(layers):
+        return opened
+    view = opened.tensor[layers.start : layers.stop]
+    return dataclasses.replace(opened, tensor=view)

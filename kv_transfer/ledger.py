@@ -128,6 +128,8 @@ class SenderLedger:
     ) -> None:
         self.config = config
         self.num_layers = num_layers
+        # The model layers this sender's pool holds (a pipeline stage's: from layer_start on).
+        self.layers = range(config.layer_start, config.layer_start + num_layers)
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes  # one block of one layer, every plane (Transfer.nbytes)
         self.table: TransferTable[Outgoing] = TransferTable()
@@ -164,13 +166,13 @@ class SenderLedger:
         return entry
 
     def check_layer(self, entry: Outgoing, layer: int) -> None:
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer {layer} outside [0, {self.num_layers})")
+        if layer not in self.layers:
+            raise ValueError(f"layer {layer} outside {self.layers}")
         if layer in entry.layers:
             raise ValueError(f"transfer {entry.transfer.request_id!r}: layer {layer} sent twice")
 
     def check_complete(self, entry: Outgoing) -> None:
-        missing = sorted(set(range(self.num_layers)) - entry.layers)
+        missing = sorted(set(self.layers) - entry.layers)
         if missing:
             raise ValueError(
                 f"transfer {entry.transfer.request_id!r}: layers {missing} not sent before complete"
@@ -348,23 +350,28 @@ class ReceiverLedger:
         payload: memoryview | bytes | None = None,
         heads: range | None = None,
         senders: int = 1,
+        layers: range | None = None,
     ) -> None:
-        """Completion notice of a sender that wrote `heads` (None: all) of every layer into the
-        pool itself (CUDA IPC) and vouches that the writes have finished: no layer frames to
-        check. Then as `complete`."""
+        """Completion notice of a sender that wrote `heads` (None: all) of `layers` (None:
+        every layer; a pipeline stage's: its own) into the pool itself (CUDA IPC) and vouches
+        that the writes have finished: no layer frames to check. Then as `complete`."""
         entry = self._known(request_id, "complete")
         if entry is None:
             return
         heads = range(self.num_heads) if heads is None else heads
+        layers = range(self.num_layers) if layers is None else layers
         if not len(heads) or heads.start < 0 or heads.stop > self.num_heads:
             self.fail(request_id, f"KV heads {heads} outside [0, {self.num_heads})")
             return
-        if any(arrived.intersection(heads) for arrived in entry.heads.values()):
-            self.fail(request_id, f"KV heads {heads} arrived twice")
+        if not len(layers) or layers.start < 0 or layers.stop > self.num_layers:
+            self.fail(request_id, f"layers {layers} outside [0, {self.num_layers})")
             return
-        # a direct write moved whole blocks of these heads, every layer
+        if any(entry.heads.get(layer, set()).intersection(heads) for layer in layers):
+            self.fail(request_id, f"KV heads {heads} of layers {layers} arrived twice")
+            return
+        # a direct write moved whole blocks of these heads, each of its layers
         nbytes = len(entry.transfer.block_ids) * self.block_bytes * len(heads) // self.num_heads
-        for layer in range(self.num_layers):
+        for layer in layers:
             self.layer_written(entry, layer, heads, nbytes)
         self.complete(request_id, metadata, senders, payload)
 

@@ -23,6 +23,14 @@ finished; rank 0 counts heads as above. A rank > 0 waits for its copies after ea
 (`KVSender.flush`), before rank 0's next step may reuse the blocks. Nodes of several ranks
 refuse other transports (nixl) at start.
 
+Pipeline-parallel prefill node (pp stages of P ranks): each stage holds only its layers' KV,
+and its shipping ranks ship those layers themselves, as soon as their stage has computed them:
+a sender per shipping rank per stage (`TransferConfig.layer_start`), `senders` = shipping ranks
+x pp. Rank 0's commands reach every stage in step order (`common.engine.tp_link`), so a stage
+begins, ships, completes or aborts a transfer exactly where stage 0 did. The receiver counts
+heads per layer as above: DONE only once every stage's layers and notices are in. A decode node
+of several stages is refused in PD (its KV would need forwarding between its stages).
+
 MLA's latent cache (planes 1; `TPLayout` of one KV head, which every rank holds whole): prefill
 rank 0 alone ships it, as one frame per layer; decode rank 0 writes it and hands the whole
 frame to every other rank. Per token that is 576 x num_layers x itemsize bytes on the wire
@@ -58,23 +66,29 @@ def shipping_ranks(layout: TPLayout) -> list[int]:
     return sorted({layout.kv_head_owners(h)[0] for h in range(layout.num_kv_heads)})
 
 
-def rank_transfer(config: TransferConfig, layout: TPLayout, rank: int) -> TransferConfig | None:
-    """The sender config of a prefill rank, or None when it ships nothing."""
+def rank_transfer(
+    config: TransferConfig, layout: TPLayout, rank: int, layers: range | None = None, pp: int = 1
+) -> TransferConfig | None:
+    """The sender config of a prefill rank (`rank` within its stage, whose pool holds
+    `layers`), or None when it ships nothing."""
     ranks = shipping_ranks(layout)
     if rank not in ranks:
         return None
     head_start = layout.kv_heads(rank).start
-    return dataclasses.replace(config, head_start=head_start, senders=len(ranks))
+    layer_start = 0 if layers is None else layers.start
+    return dataclasses.replace(
+        config, head_start=head_start, senders=len(ranks) * pp, layer_start=layer_start
+    )
 
 
 TP_TRANSPORTS = ("zmq", "cuda_ipc")
 
 
-def check_transport(transport: str, tp: int) -> None:
-    if tp > 1 and transport not in TP_TRANSPORTS:
+def check_transport(transport: str, tp: int, pp: int = 1) -> None:
+    if tp * pp > 1 and transport not in TP_TRANSPORTS:
         raise ValueError(
-            f"transport {transport!r} with tp={tp}: nodes of several ranks ship KV over "
-            f"{' or '.join(TP_TRANSPORTS)}"
+            f"transport {transport!r} with tp={tp}, pp={pp}: nodes of several ranks ship KV "
+            f"over {' or '.join(TP_TRANSPORTS)}"
         )
 
 
@@ -153,8 +167,8 @@ class TPPoolWriter(PoolWriter):
 class PrefillRank:
     """A prefill rank > 0: mirrors rank 0's sender calls with its own sender."""
 
-    def __init__(self, sender: KVSender | None, num_layers: int) -> None:
-        self.sender, self.num_layers = sender, num_layers
+    def __init__(self, sender: KVSender | None, layers: range) -> None:
+        self.sender, self.layers = sender, layers  # the model layers its pool holds
         self.fresh: list[str] = []  # begun, layers not sent yet
 
     def command(self, command: dict[str, Any], payload: torch.Tensor | None) -> None:
@@ -167,7 +181,7 @@ class PrefillRank:
                 self.fresh.append(rid)
             elif op == "send_layers":
                 self._forget(rid)
-                self.sender.send_layers(rid, range(self.num_layers))
+                self.sender.send_layers(rid, self.layers)
             elif op == "complete":
                 self.sender.complete(rid, {})
                 self.sender.flush()  # copies done: rank 0 may reuse the blocks next step
@@ -192,7 +206,7 @@ class PrefillRank:
 
         def hook(layer: int) -> None:
             for rid in shipping:
-                sender.send_layer(rid, layer)
+                sender.send_layer(rid, layer)  # only this stage's layers run here
 
         return hook
 
@@ -231,10 +245,11 @@ def prefill_rank_handler(transfer: TransferConfig, worker: Worker) -> PrefillRan
     # Injected failures (tests) are rank 0's: it aborts, and the ranks follow. Each shipping
     # rank announces its own pool's format.
     transfer = dataclasses.replace(transfer, fail_rate=0.0, kv_format=worker.runtime.kv_format)
-    config = rank_transfer(transfer, layout, rank)
+    layers, pp = worker.kv_cache.layers, worker.config.pp
+    config = rank_transfer(transfer, layout, rank, layers, pp)
     pool = worker.kv_cache.pool
     sender = create_sender(config, pool) if config is not None else None
-    return PrefillRank(sender, pool.shape[0])
+    return PrefillRank(sender, layers)
 
 
 def decode_rank_handler(transport: str, worker: Worker) -> DecodeRank:

@@ -60,15 +60,17 @@ def plan_command(args) -> int:
 
 def check_parallel(source, engines: list[EngineConfig]) -> None:
     """ValueError when the model cannot be split into a pool's tensor-parallel ranks (heads,
-    KV heads and MLP must divide) or its experts over them, before any process starts."""
-    if all(e.tp == 1 and not e.enable_expert_parallel for e in engines):
+    KV heads and MLP must divide), its experts over them, or its layers into the pool's
+    pipeline stages, before any process starts."""
+    if all(e.world_size == 1 and not e.enable_expert_parallel for e in engines):
         return
-    from common.model.parallel import TPLayout, check_expert_parallel
+    from common.model.parallel import PPLayout, TPLayout, check_expert_parallel
     from common.model.source import read_spec
 
     spec = read_spec(source)
     for engine in engines:
         TPLayout.of(spec, engine.tp)
+        PPLayout.of(spec.num_layers, engine.pp, engine.pp_layer_partition)
         if engine.enable_expert_parallel:
             check_expert_parallel(spec, engine.tp)
 

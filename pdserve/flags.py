@@ -23,7 +23,12 @@ from common.node.config import NodeConfig
 from router.config import RouterConfig, add_router_args
 
 POOLS = ("prefill", "decode")
-SHOWN_PER_POOL = {"tp", "enable_expert_parallel"}  # --prefill-tp etc. are listed in --help
+SHOWN_PER_POOL = {
+    "tp",
+    "pp",
+    "pp_layer_partition",
+    "enable_expert_parallel",
+}  # --prefill-tp etc. are listed in --help
 NODE_ONLY = {"control_address", "router_address", "kv_address", "colocated", "model"}
 ROUTER_ONLY = {
     "model", "served_model_name", "host", "port", "prefill", "decode", "events_address", "mode",

@@ -197,8 +197,11 @@ def node_summary(node: NodeProcess, report: dict[str, Any], num_speculative: int
         return f"{node.name}: healthy (no runtime info in its heartbeat)"
     tokens = blocks * size
     weights = info.get("weight_bytes") or 0
-    tp = info.get("tp") or 1
+    tp, pp = info.get("tp") or 1, info.get("pp") or 1
     ranks = f", tp {tp}" if tp > 1 else ""
+    ranks += (
+        f", pp {pp} ({'+'.join(map(str, info.get('pp_layers') or ()))} layers)" if pp > 1 else ""
+    )
     kv_format = info.get("kv_format") or {}
     kv_dtype = kv_format.get("kv_dtype") or info.get("dtype")
     speculative = kv_format.get("speculative") or "none"

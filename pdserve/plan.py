@@ -40,7 +40,7 @@ class NodeProcess:
     role: str  # prefill | decode | colocated
     address: str  # control address, the node's id in /health
     argv: list[str]
-    ranks: int = 1  # tensor-parallel ranks: the node starts ranks - 1 processes of its own
+    ranks: int = 1  # tp x pp ranks: the node starts ranks - 1 processes of its own
 
 
 @dataclass(frozen=True)
@@ -106,12 +106,13 @@ def gpu_count() -> int:
 
 
 def pool_gpus(configs: Configs, gpus: int) -> dict[str, tuple[int, ...]]:
-    """GPU ids of each pool. A node of `--X-tp N` takes N consecutive entries of its pool's
-    list, so a pool of `count` nodes needs N * count entries (ValueError otherwise). Default
+    """GPU ids of each pool. A node of `--X-tp T --X-pp P` takes N = T * P consecutive entries
+    of its pool's list, so a pool of `count` nodes needs N * count entries (ValueError
+    otherwise). Default
     (no lists, GPUs present): prefill on the first GPUs, decode on the next ones; with one
     rank per node they are shared round-robin when too few, with several ranks never."""
     launch = configs.launch
-    tp = {pool: configs.engines[pool].tp for pool in POOLS}
+    tp = {pool: configs.engines[pool].world_size for pool in POOLS}  # ranks per node
     count = {"prefill": launch.prefill_count, "decode": launch.num_decode}
     given = {"prefill": launch.prefill_gpus, "decode": launch.decode_gpus}
     if gpus and not any(given.values()):
@@ -119,8 +120,8 @@ def pool_gpus(configs: Configs, gpus: int) -> dict[str, tuple[int, ...]]:
         if max(tp.values()) > 1 and sum(need.values()) > gpus:
             raise ValueError(
                 f"{need['prefill']} prefill + {need['decode']} decode GPUs needed "
-                f"(--prefill-tp {tp['prefill']} x {count['prefill']} nodes, --decode-tp "
-                f"{tp['decode']} x {count['decode']} nodes), {gpus} present"
+                f"({_ranks(configs, 'prefill')} x {count['prefill']} nodes, "
+                f"{_ranks(configs, 'decode')} x {count['decode']} nodes), {gpus} present"
             )
         first = need["prefill"]
         return {
@@ -131,7 +132,7 @@ def pool_gpus(configs: Configs, gpus: int) -> dict[str, tuple[int, ...]]:
         if given[pool] and tp[pool] > 1 and len(given[pool]) < tp[pool] * count[pool]:
             raise ValueError(
                 f"--{pool}-gpus {','.join(map(str, given[pool]))} names {len(given[pool])} "
-                f"GPUs; {count[pool]} {pool} node(s) of --{pool}-tp {tp[pool]} need "
+                f"GPUs; {count[pool]} {pool} node(s) of {_ranks(configs, pool)} need "
                 f"{tp[pool] * count[pool]}"
             )
     return given
@@ -147,7 +148,8 @@ def plan(configs: Configs, model_dir: str, model_name: str, gpus: int) -> Plan:
     events = f"tcp://{router_host}:{base}"
     by_pool = pool_gpus(configs, gpus)
     prefill_gpus, decode_gpus = by_pool["prefill"], by_pool["decode"]
-    tp_prefill, tp_decode = configs.engines["prefill"].tp, configs.engines["decode"].tp
+    tp_prefill = configs.engines["prefill"].world_size  # processes (GPUs) per node
+    tp_decode = configs.engines["decode"].world_size
     nodes = []
     for i in range(launch.prefill_count):
         address = f"tcp://{host}:{base + 1 + i}"
@@ -185,6 +187,11 @@ def plan(configs: Configs, model_dir: str, model_name: str, gpus: int) -> Plan:
     router_argv = [sys.executable, "-m", "router", *_flags(router)]
     url = f"http://{launch.host}:{launch.port}"
     return Plan(configs, router.served_model_name, nodes, router_argv, url)
+
+
+def _ranks(configs: Configs, pool: str) -> str:
+    engine = configs.engines[pool]
+    return f"--{pool}-tp {engine.tp} x --{pool}-pp {engine.pp}"
 
 
 def _gpus(gpus: tuple[int, ...], i: int, tp: int) -> tuple[int, ...]:

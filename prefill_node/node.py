@@ -43,7 +43,7 @@ class PrefillNode:
             deadline_s=node_config.transfer_deadline_s,
             fail_rate=node_config.fail_transfer_rate,
         )
-        check_transport(node_config.transport, engine_config.tp)
+        check_transport(node_config.transport, engine_config.tp, engine_config.pp)
         self.worker = Worker(
             engine_config, RankRole(partial(prefill_rank_handler, transfer)), drafts=False
         )
@@ -58,12 +58,15 @@ class PrefillNode:
         if engine_config.speculative.speculative_method == "eagle3":
             self.aux_rows = PromptAuxRows()
             self.worker.runner.aux_observer = self.aux_rows.observe
-        # Tensor parallel: rank 0 ships its KV heads, its ranks theirs (kv_transfer/tp.py).
+        # Tensor parallel: rank 0 ships its KV heads, its ranks theirs; pipeline parallel: each
+        # stage its own layers (kv_transfer/tp.py).
         # Each transfer announces the pool's format; a decode pool of another one refuses it.
         transfer = dataclasses.replace(transfer, kv_format=self.worker.runtime.kv_format)
         layout = self.worker.tp.layout(self.worker.spec)
         pool = self.worker.kv_cache.pool
-        self.sender = create_sender(rank_transfer(transfer, layout, 0), pool)
+        layers = self.worker.kv_cache.layers
+        config = rank_transfer(transfer, layout, 0, layers, engine_config.pp)
+        self.sender = create_sender(config, pool)
         if self.worker.runner.link is not None:
             self.sender = TPSender(self.sender, self.worker.runner.link)
         self.channel = NodeChannel(
@@ -72,7 +75,7 @@ class PrefillNode:
         self.jobs: dict[str, PrefillJob] = {}
         self._ended = EndedRequests()
         self.info = runtime_info(self.worker.runtime)
-        self.num_layers = self.worker.kv_cache.pool.shape[0]
+        self.layers = self.worker.kv_cache.layers  # the model layers rank 0's pool holds
         self._stream_min_tokens = (
             node_config.ipc_stream_min_tokens if node_config.transport == "cuda_ipc" else 0
         )
@@ -279,7 +282,7 @@ class PrefillNode:
             if not job.transferring:
                 self._fail(seq.request_id, f"KV transfer failed: {job.transfer_error}", 500)
                 return
-            self.sender.send_layers(seq.request_id, range(self.num_layers))
+            self.sender.send_layers(seq.request_id, self.layers)
         payload = None
         if self.aux_rows is not None:
             # After the first token left: the device-to-host copy is off the TTFT path.

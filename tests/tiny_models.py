@@ -53,7 +53,7 @@ TINY_SHAPE = dict(
 TINY_QWEN2 = dict(TINY_SHAPE, max_position_embeddings=2048, tie_word_embeddings=True)
 
 
-def save_tiny_tool_model(directory: Path, seed: int = 0) -> Path:
+def save_tiny_tool_model(directory: Path, seed: int = 0, num_layers: int = 2) -> Path:
     """A random Qwen2 model with the embedded tokenizer and a tool-capable chat template."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
@@ -64,7 +64,8 @@ def save_tiny_tool_model(directory: Path, seed: int = 0) -> Path:
     tokenizer = load_tokenizer(resolve_model(None).directory)
     tokenizer.chat_template = QWEN_TOOL_TEMPLATE
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    config = Qwen2Config(vocab_size=len(tokenizer), eos_token_id=eos, **TINY_QWEN2)
+    shape = dict(TINY_QWEN2, num_hidden_layers=num_layers)
+    config = Qwen2Config(vocab_size=len(tokenizer), eos_token_id=eos, **shape)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     directory.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,155 @@
+"""Pipeline parallelism through the launcher, as a user runs it (tiny random Qwen2 of 3 layers,
+4 query heads and 2 KV heads; one stack per layout):
+
+- PD `--prefill-pp 2` (layers 1 + 2, explicit partition) into one decode pool: each stage ships
+  its own layers (zmq frames naming the model's layer numbers);
+- PD `--prefill-pp 2 --prefill-tp 2` into `--decode-tp 2` (cuda_ipc, which on CPU sends frames):
+  four prefill senders, each one stage's layers of one KV head;
+- colocated `--pp 2`: prefill chunks pipelined, decode steps synchronous.
+
+Each gives the text of the single-process engine and frees every block on every node. A stage
+killed while it holds a prompt's prefill ends that request with an error, frees the decode
+node's reservation, leaves none of the prefill node's processes behind, and `--restart-nodes`
+brings the node back.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from common import LLM, SamplingParams
+from tests.pd_stack import PDStack, alive, descendants
+from tests.tiny_models import save_tiny_tool_model
+
+LAUNCH = ("--num-kv-blocks", "64", "--max-num-batched-tokens", "16", "--max-num-seqs", "8")
+# 40 tokens: three chunks of at most 16 tokens flow through the stages back to back.
+PROMPTS = [list(range(100, 140)), [42, 43, 44]]
+NEW_TOKENS = 8
+LAYOUTS = {
+    "P_pp2-D_tp1": ("--prefill-pp", "2", "--prefill-pp-layer-partition", "1,2"),
+    "P_pp2xtp2-D_tp2-cuda_ipc": (
+        "--prefill-pp", "2", "--prefill-tp", "2", "--decode-tp", "2", "--transport", "cuda_ipc",
+    ),
+    "colocated_pp2": ("--colocated", "--pp", "2"),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return save_tiny_tool_model(tmp_path_factory.mktemp("pp_e2e") / "model", num_layers=3)
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir) -> list[str]:
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    with LLM(str(model_dir), device="cpu", num_kv_blocks=64) as llm:
+        return [out.text for out in llm.generate(PROMPTS, params)]  # the router's detokenizer
+
+
+def completion(url: str, prompt: list[int], timeout: float = 120) -> httpx.Response:
+    body = {
+        "model": "model", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+        "ignore_eos": True,
+    }  # fmt: skip
+    return httpx.post(url + "/v1/completions", json=body, timeout=timeout)
+
+
+def stop(stack) -> None:
+    """Ctrl-C the launcher; every process it started exits (rank processes may take a moment
+    longer than their node: they exit once they see it gone)."""
+    left = stack.stop()
+    stack.wait_for(lambda: not any(alive(p) for p in left), f"processes {left} to exit", 30)
+
+
+def all_blocks_freed(stack) -> None:
+    stack.wait_for(
+        lambda: all(n["load"]["used_blocks"] == 0 for n in stack.get("/health")[1]["nodes"]),
+        "every node's blocks freed",
+    )
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_greedy_text_equals_one_process_and_every_block_is_freed(
+    layout, model_dir, expected, tmp_path
+):
+    stack = PDStack("--model", str(model_dir), *LAYOUTS[layout], *LAUNCH,
+                    log_path=tmp_path / "launch.log")  # fmt: skip
+    try:
+        texts = []
+        for prompt in PROMPTS:
+            r = completion(stack.url, prompt)
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+        assert texts == expected
+        nodes = stack.get("/health")[1]["nodes"]
+        pipelined = [n for n in nodes if n["info"].get("pp") == 2]
+        assert len(pipelined) == 1
+        assert sum(pipelined[0]["info"]["pp_layers"]) == 3
+        for node in nodes:
+            assert node["load"].get("kv_transfer_failures", 0) == 0
+        all_blocks_freed(stack)
+    finally:
+        stop(stack)
+
+
+def stage_pids(node_pid: int) -> list[int]:
+    """A node's other rank processes (multiprocessing spawn children)."""
+    out = []
+    for pid in descendants(node_pid):
+        try:
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(pid)
+        except OSError:
+            continue
+    return out
+
+
+def test_a_stage_killed_mid_prefill_fails_its_request_and_leaks_nothing(model_dir, tmp_path):
+    """Stage 1 is stopped (SIGSTOP) before the request comes, so its prefill is held there
+    with the decode node's blocks reserved; then it is killed."""
+    stack = PDStack("--model", str(model_dir), *LAYOUTS["P_pp2-D_tp1"], *LAUNCH,
+                    "--heartbeat-timeout", "2", "--restart-nodes",
+                    log_path=tmp_path / "launch.log")  # fmt: skip
+    try:
+        prefill = stack.node("prefill")
+        node_pid = prefill["info"]["pid"]
+        (stage,) = stage_pids(node_pid)
+        os.kill(stage, signal.SIGSTOP)
+        result: dict[str, httpx.Response] = {}
+        client = threading.Thread(
+            target=lambda: result.update(r=completion(stack.url, PROMPTS[0], timeout=60))
+        )
+        client.start()
+        stack.wait_for(
+            lambda: stack.node("decode")["load"]["used_blocks"] > 0,
+            "the decode node to reserve the prompt's blocks",
+        )
+        os.kill(stage, signal.SIGKILL)
+        client.join(60)
+        assert not client.is_alive()
+        assert result["r"].status_code >= 500, result["r"].text
+        assert "error" in result["r"].json()
+        for pid, what in ((stage, "the stage"), (node_pid, "the prefill node")):
+            stack.wait_for(lambda pid=pid: not alive(pid), f"{what} to exit")
+        stack.wait_for(
+            lambda: stack.node("decode")["load"]["used_blocks"] == 0,
+            "the decode node's reservation freed",
+        )
+        stack.wait_for(
+            lambda: any(
+                n["role"] == "prefill" and n["info"]["pid"] != node_pid and n["healthy"]
+                for n in stack.get("/health")[1]["nodes"]
+            ),
+            "the prefill node restarted",
+            timeout_s=120,
+        )
+        r = completion(stack.url, PROMPTS[1])
+        assert r.status_code == 200, r.text
+    finally:
+        stop(stack)
