@@ -23,6 +23,7 @@ from common.node.config import NodeConfig
 from router.config import RouterConfig, add_router_args
 
 POOLS = ("prefill", "decode")
+FIXED_ZMQ_BASE_PORT = 5600  # --zmq-base-port when other hosts must find the router's events
 SHOWN_PER_POOL = {
     "tp",
     "pp",
@@ -71,10 +72,13 @@ class LaunchConfig:
     decode_gpus: tuple[int, ...] = field(
         default=(), metadata={"help": "GPU ids of the decode pool (node i gets entry i mod n)"}
     )
-    zmq_base_port: int = field(
-        default=5600,
-        metadata={"help": "router events = base, prefill i = base+1+i, decode j = base+101+j, "
-                  "its KV = base+201+j"},
+    zmq_base_port: int | None = field(
+        default=None,
+        metadata={"help": "internal ZMQ ports: router events = base, prefill i = base+1+i, "
+                  "decode j = base+101+j, its KV = base+201+j; unset: free ports chosen at "
+                  f"start on a loopback --bind-host (several stacks on one host need nothing "
+                  f"more); {FIXED_ZMQ_BASE_PORT} with another --bind-host or --router-url, so "
+                  "that hosts joining the router know its events port"},
     )  # fmt: skip
     health_timeout: float = field(
         default=600.0, metadata={"help": "seconds to wait for every node to be healthy"}
@@ -104,8 +108,9 @@ class LaunchConfig:
             )
         if self.router_url is not None and not urlsplit(self.router_url).hostname:
             raise ValueError(f"router_url must be like http://HOST:PORT, got {self.router_url!r}")
-        if not 0 < self.port < 65536 or not 0 < self.zmq_base_port < 65536 - 300:
-            raise ValueError(f"bad ports: port={self.port}, zmq_base_port={self.zmq_base_port}")
+        base = self.zmq_base_port
+        if not 0 < self.port < 65536 or (base is not None and not 0 < base < 65536 - 300):
+            raise ValueError(f"bad ports: port={self.port}, zmq_base_port={base}")
         if self.health_timeout <= 0:
             raise ValueError(f"health_timeout must be > 0, got {self.health_timeout}")
 
@@ -194,7 +199,11 @@ def _add(
 ) -> None:
     help_text = argparse.SUPPRESS if hidden else _help(f)
     kind = _scalar_type(hint)
+    # An old name (`--kv-memory-fraction`, `--decode-kv-memory-fraction`) sets the same value.
+    prefix = flag[: len(flag) - len(f.name)]
+    aliases = [prefix + a.replace("_", "-") for a in f.metadata.get("aliases", ())]
     if kind is bool:
+        assert not aliases, flag  # not needed yet
         negative = "--no-" + flag[2:]
         if flag.startswith(("--prefill-", "--decode-")):  # --prefill-no-X, as launch_pd.sh had
             pool, rest = flag[2:].split("-", 1)
@@ -208,6 +217,7 @@ def _add(
         kind = _gpu_list
     group.add_argument(
         flag,
+        *aliases,
         dest=dest,
         type=kind,
         choices=f.metadata.get("choices"),

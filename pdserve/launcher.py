@@ -1,5 +1,7 @@
-"""Run a `Plan`: start the nodes and the router, wait until every node is healthy, print one
-line per node (weights, KV blocks, the concurrency they allow), then watch the processes.
+"""Run a `Plan`: check that its ports are free, start the nodes and the router, wait until
+every node is healthy, print one line per node (its memory: weights, CUDA graphs and KV; KV
+blocks and the concurrency they allow), then watch the processes. A port in use ends the
+launch before any process starts, with one line naming its flag and exit code 2.
 
 Ctrl-C or SIGTERM stops every process this launcher started (SIGINT, which stops a node at
 once, then SIGKILL after 5 s; SIGTERM would make a node drain). A node that dies while serving
@@ -22,9 +24,12 @@ import urllib.request
 from typing import Any
 
 from pdserve.plan import NodeProcess, Plan
+from pdserve.ports import first_port_taken
+from router.metrics import node_memory_bytes
 
 STOP_GRACE_S = 5.0
 POLL_S = 0.5
+PORT_IN_USE = 2  # the exit code of every other flag error
 
 
 class RestartBackoff:
@@ -66,6 +71,10 @@ class Launcher:
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
 
     def run(self) -> int:
+        taken = first_port_taken(self.plan.configs.launch, self.plan.ports)
+        if taken is not None:
+            say(f"error: {taken}")
+            return PORT_IN_USE
         for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
             signal.signal(sig, lambda *_, code=code: self._raise(code))
         try:
@@ -185,9 +194,10 @@ class Launcher:
 
 
 def node_summary(node: NodeProcess, report: dict[str, Any], num_speculative: int = 0) -> str:
-    """`decode-0 (pid 12, cpu, float32): weights 0.27 GB; KV float8_e4m3fn 8192 blocks x 16 =
-    131072 tokens; max concurrency 64.0 requests of 2048 tokens; speculative ngram, K 4` (an
-    FP8 pool holds twice the tokens of one in the model dtype). The speculative setting is the
+    """`decode-0 (pid 12, cuda:0, bfloat16): weights 15.23 GB, graphs 0.41 GB, KV 44.20 GB
+    (GPU share 0.425); KV float8_e4m3fn 8192 blocks x 16 = 131072 tokens; max concurrency 64.0
+    requests of 2048 tokens; speculative ngram, K 4` (an FP8 pool holds twice the tokens of one
+    in the model dtype; with --tp each figure is one rank's). The speculative setting is the
     one the node reported, which its KV peers must share; K (`num_speculative`, from the
     pool's flags) may differ between pools."""
     info = report.get("info") or {}
@@ -196,7 +206,12 @@ def node_summary(node: NodeProcess, report: dict[str, Any], num_speculative: int
     if not (isinstance(blocks, int) and isinstance(size, int) and isinstance(max_len, int)):
         return f"{node.name}: healthy (no runtime info in its heartbeat)"
     tokens = blocks * size
-    weights = info.get("weight_bytes") or 0
+    memory = ", ".join(
+        f"{'KV' if kind == 'kv' else kind} {n / 1e9:.2f} GB"
+        for kind, n in node_memory_bytes(info).items()
+    )
+    if node.gpu_memory_fraction is not None:
+        memory += f" (GPU share {node.gpu_memory_fraction:g})"
     tp, pp = info.get("tp") or 1, info.get("pp") or 1
     ranks = f", tp {tp}" if tp > 1 else ""
     ranks += (
@@ -209,7 +224,7 @@ def node_summary(node: NodeProcess, report: dict[str, Any], num_speculative: int
         speculative += f", K {num_speculative}"
     return (
         f"{node.name} (pid {info.get('pid')}, {info.get('device')}{ranks}, {info.get('dtype')}): "
-        f"weights {weights / 1e9:.2f} GB; KV {kv_dtype} {blocks} blocks x {size} = {tokens} "
+        f"{memory}; KV {kv_dtype} {blocks} blocks x {size} = {tokens} "
         f"tokens; "
         f"max concurrency {tokens / max_len:.1f} requests of {max_len} tokens; "
         f"speculative {speculative}"

@@ -2,14 +2,15 @@
 
 `configs_from_args` builds every config the flags describe, so a bad value fails (ValueError
 with the offending value) before any process starts. `plan` then lays the processes out: the
-ports of `--zmq-base-port`, the GPU of each node, and each process's command line, which holds
-only the values that differ from the dataclass defaults.
+internal ports (`pdserve/ports.py`), the GPU of each node and its memory fraction, and each
+process's command line, which holds only the values that differ from the dataclass defaults.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import shutil
 import subprocess
 import sys
@@ -17,10 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from common.engine.config import EngineConfig
+from common.engine.config import CacheConfig, EngineConfig
 from common.node.config import NodeConfig
 from common.protocol.wire_auth import require_secret_for
-from pdserve.flags import POOLS, LaunchConfig, engine_fields, router_fields
+from pdserve.flags import FIXED_ZMQ_BASE_PORT, POOLS, LaunchConfig, engine_fields, router_fields
+from pdserve.ports import Ports, internal_ports
 from router.config import RouterConfig
 
 NODE_FIELDS = {f.name for f in dataclasses.fields(NodeConfig)}
@@ -32,6 +34,7 @@ class Configs:
     engines: dict[str, EngineConfig]  # by pool: "prefill", "decode"
     nodes: dict[str, NodeConfig]
     router: dict[str, Any]  # RouterConfig fields the user set (addresses come from the plan)
+    given: dict[str, frozenset[str]]  # by pool: the engine and node options the user set
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class NodeProcess:
     address: str  # control address, the node's id in /health
     argv: list[str]
     ranks: int = 1  # tp x pp ranks: the node starts ranks - 1 processes of its own
+    gpu_memory_fraction: float | None = None  # None: its KV is not sized by a GPU share
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class Plan:
     nodes: list[NodeProcess]
     router_argv: list[str] | None  # None: the nodes join a router on another host
     url: str  # the router's HTTP address
+    ports: Ports
 
 
 def configs_from_args(args: argparse.Namespace) -> Configs:
@@ -60,8 +65,9 @@ def configs_from_args(args: argparse.Namespace) -> Configs:
             raise ValueError(f"two models given: {args.model_arg!r} and {launch_values['model']!r}")
         launch_values["model"] = args.model_arg
     launch = LaunchConfig(**{k: v for k, v in launch_values.items() if v is not None})
-    engines, nodes = {}, {}
+    engines, nodes, given_by_pool = {}, {}, {}
     for pool, given in pool_options(args).items():
+        given_by_pool[pool] = frozenset(given)
         node = {k: v for k, v in given.items() if k in NODE_FIELDS}
         nodes[pool] = NodeConfig(**node, colocated=launch.colocated and pool == "decode")
         engine = {k: v for k, v in given.items() if k not in NODE_FIELDS}
@@ -69,8 +75,8 @@ def configs_from_args(args: argparse.Namespace) -> Configs:
     router = {f.name: getattr(args, f"router__{f.name}") for f in router_fields()}
     router = {k: v for k, v in router.items() if v is not None}
     RouterConfig(decode=("check",), **router)  # validates the values the user gave
-    require_secret_for([f"tcp://{launch.bind_host}:{launch.zmq_base_port}"])
-    return Configs(launch, engines, nodes, router)
+    require_secret_for([f"tcp://{launch.bind_host}:{launch.zmq_base_port or FIXED_ZMQ_BASE_PORT}"])
+    return Configs(launch, engines, nodes, router, given_by_pool)
 
 
 def pool_options(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -141,36 +147,41 @@ def pool_gpus(configs: Configs, gpus: int) -> dict[str, tuple[int, ...]]:
 def plan(configs: Configs, model_dir: str, model_name: str, gpus: int) -> Plan:
     """Every socket binds to `--bind-host` (loopback by default); with `--router-url` no router
     is started and the nodes heartbeat to its events socket on the router's host. ValueError
-    when the pools need more GPUs than they are given."""
-    launch = configs.launch
-    base, host = launch.zmq_base_port, launch.bind_host
+    when the pools need more GPUs than they are given, or the memory fractions of the nodes on
+    one GPU sum past 1."""
+    launch, host = configs.launch, configs.launch.bind_host
+    ports = internal_ports(launch)
     router_host = urlsplit(launch.router_url).hostname if launch.router_url else host
-    events = f"tcp://{router_host}:{base}"
+    events = f"tcp://{router_host}:{ports.events}"
     by_pool = pool_gpus(configs, gpus)
-    prefill_gpus, decode_gpus = by_pool["prefill"], by_pool["decode"]
-    tp_prefill = configs.engines["prefill"].world_size  # processes (GPUs) per node
-    tp_decode = configs.engines["decode"].world_size
+    tp = {pool: configs.engines[pool].world_size for pool in POOLS}  # ranks per node
+    count = {"prefill": launch.prefill_count, "decode": launch.num_decode}
+    slots = [Slot(pool, i, _gpus(by_pool[pool], i, tp[pool]), tp[pool] if gpus else 0)
+             for pool in POOLS for i in range(count[pool])]  # fmt: skip
+    fractions = memory_fractions(configs, slots)
     nodes = []
-    for i in range(launch.prefill_count):
-        address = f"tcp://{host}:{base + 1 + i}"
-        node = dataclasses.replace(
-            configs.nodes["prefill"], control_address=address, router_address=events
-        )
-        argv = _node_argv("prefill_node", configs.engines["prefill"], node, model_dir,
-                          _gpus(prefill_gpus, i, tp_prefill), gpus)  # fmt: skip
-        nodes.append(NodeProcess(f"prefill-{i}", "prefill", address, argv, tp_prefill))
-    for j in range(launch.num_decode):
-        address = f"tcp://{host}:{base + 101 + j}"
-        node = dataclasses.replace(
-            configs.nodes["decode"],
-            control_address=address,
-            router_address=events,
-            kv_address=f"tcp://{host}:{base + 201 + j}",
-        )
-        argv = _node_argv("decode_node", configs.engines["decode"], node, model_dir,
-                          _gpus(decode_gpus, j, tp_decode), gpus)  # fmt: skip
-        role = "colocated" if launch.colocated else "decode"
-        nodes.append(NodeProcess(f"decode-{j}", role, address, argv, tp_decode))
+    for slot in slots:
+        pool, index = slot.pool, slot.index
+        if pool == "prefill":
+            address = f"tcp://{host}:{ports.prefill[index]}"
+            node = dataclasses.replace(
+                configs.nodes[pool], control_address=address, router_address=events
+            )
+        else:
+            address = f"tcp://{host}:{ports.decode[index]}"
+            node = dataclasses.replace(
+                configs.nodes[pool],
+                control_address=address,
+                router_address=events,
+                kv_address=f"tcp://{host}:{ports.kv[index]}",
+            )
+        engine, fraction = configs.engines[pool], fractions[slot.name]
+        if fraction is not None:
+            cache = dataclasses.replace(engine.cache, gpu_memory_fraction=fraction)
+            engine = dataclasses.replace(engine, cache=cache)
+        argv = _node_argv(f"{pool}_node", engine, node, model_dir, slot.pinned, gpus)
+        role = "colocated" if launch.colocated and pool == "decode" else pool
+        nodes.append(NodeProcess(slot.name, role, address, argv, tp[pool], fraction))
     router = RouterConfig(
         model=model_dir,
         served_model_name=launch.served_model_name or model_name,
@@ -182,11 +193,67 @@ def plan(configs: Configs, model_dir: str, model_name: str, gpus: int) -> Plan:
         events_address=events,
         **configs.router,
     )
+    name = router.served_model_name
     if launch.router_url:
-        return Plan(configs, router.served_model_name, nodes, None, launch.router_url.rstrip("/"))
+        return Plan(configs, name, nodes, None, launch.router_url.rstrip("/"), ports)
     router_argv = [sys.executable, "-m", "router", *_flags(router)]
-    url = f"http://{launch.host}:{launch.port}"
-    return Plan(configs, router.served_model_name, nodes, router_argv, url)
+    return Plan(configs, name, nodes, router_argv, f"http://{launch.host}:{launch.port}", ports)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A node of this host before its command line."""
+
+    pool: str
+    index: int  # in its pool
+    pinned: tuple[int, ...]  # GPU per rank, --device cuda:A,B; () unpinned
+    ranks_on_gpus: int  # 0 on CPU
+
+    @property
+    def name(self) -> str:
+        return f"{self.pool}-{self.index}"
+
+    @property
+    def gpus(self) -> tuple[int, ...]:
+        """The GPUs its ranks run on: an unpinned node (`--device cuda`) takes 0..ranks-1."""
+        return self.pinned or tuple(range(self.ranks_on_gpus))
+
+
+def memory_fractions(configs: Configs, slots: list[Slot]) -> dict[str, float | None]:
+    """Each node's `--gpu-memory-fraction`, by name: its pool's when the user set it, else the
+    default shared evenly by the processes (tensor-parallel ranks included) on the node's most
+    crowded GPU, so that a prefill and a decode node on one GPU get 0.425 each. None for a node
+    whose KV is not sized by it (CPU, an explicit --device, --num-kv-blocks,
+    --kv-cache-memory-bytes). ValueError when the fractions on one GPU sum past 1."""
+    crowd: dict[int, int] = {}
+    for slot in slots:
+        for gpu in slot.gpus:
+            crowd[gpu] = crowd.get(gpu, 0) + 1
+    default = CacheConfig().gpu_memory_fraction
+    fractions: dict[str, float | None] = {}
+    on_gpu: dict[int, list[tuple[str, float]]] = {}
+    for slot in slots:
+        engine = configs.engines[slot.pool]
+        cache = engine.cache
+        sized_otherwise = cache.num_kv_blocks or cache.kv_cache_memory_bytes
+        if not slot.gpus or engine.model.device != "auto" or sized_otherwise:
+            fractions[slot.name] = None
+            continue
+        fraction = cache.gpu_memory_fraction
+        if "gpu_memory_fraction" not in configs.given[slot.pool]:
+            fraction = math.floor(1000 * default / max(crowd[g] for g in slot.gpus)) / 1000
+        fractions[slot.name] = fraction
+        for gpu in slot.gpus:
+            on_gpu.setdefault(gpu, []).append((slot.name, fraction))
+    for gpu, shares in on_gpu.items():
+        total = sum(f for _, f in shares)
+        if total > 1 + 1e-9:
+            listed = ", ".join(f"{name} {f:g}" for name, f in shares)
+            raise ValueError(
+                f"GPU {gpu} would hold {listed}: their --gpu-memory-fraction values sum to "
+                f"{total:g}, more than the whole GPU"
+            )
+    return fractions
 
 
 def _ranks(configs: Configs, pool: str) -> str:

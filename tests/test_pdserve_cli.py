@@ -112,7 +112,7 @@ def test_two_host_flags_bind_every_socket_there_and_join_a_remote_router(monkeyp
         (["--router-url", "10.0.0.1:8000"], "router_url must be like"),
         (["--bind-host", "10.0.0.2"], "PDSERVE_CLUSTER_SECRET"),
         (["--block-size", "0"], "block_size must be >= 1"),
-        (["--decode-kv-memory-fraction", "1.5"], "kv_memory_fraction"),
+        (["--decode-kv-memory-fraction", "1.5"], "gpu_memory_fraction"),
         (["--stats-interval", "-1"], "stats_interval"),
         (["--no-such-flag"], "unrecognized arguments"),
         (["a/b", "--model", "c/d"], "two models"),

@@ -163,7 +163,7 @@ def test_the_printed_command_parses_with_the_real_serve_parser():
         "prefill": {"load_format": "dummy", "dtype": "bfloat16", "max_num_seqs": 32},
         "decode": {"load_format": "dummy", "dtype": "bfloat16", "max_num_seqs": 8},
     }
-    user = user_engine_flags(options, {"transport", "kv_memory_fraction"})
+    user = user_engine_flags(options, {"transport", "gpu_memory_fraction"})
     pd = Knobs(64, 2048, 4096, 0.9)
     args = launch_args(Layout(3, 1), pd, gpu=True, user_flags=user, transport="cuda_ipc")
     configs = parse_serve(serve_command("benchmarks/configs/qwen2.5-7b-instruct", args))
@@ -173,7 +173,7 @@ def test_the_printed_command_parses_with_the_real_serve_parser():
     assert prefill.scheduler.max_num_batched_tokens == 4096
     assert prefill.scheduler.max_num_seqs == 32  # the user's, for the pool the knobs leave
     assert decode.scheduler.max_num_seqs == 64  # the knob wins over the user's 8
-    assert prefill.cache.kv_memory_fraction == decode.cache.kv_memory_fraction == 0.9
+    assert prefill.cache.gpu_memory_fraction == decode.cache.gpu_memory_fraction == 0.9
     assert prefill.model.load_format == "dummy" and decode.model.dtype == "bfloat16"
     assert configs.nodes["prefill"].transport == "cuda_ipc"
 

@@ -66,12 +66,20 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = field(
         default=None,
         metadata={
-            "help": "KV pool size in bytes (default: 1 GiB on CPU, a fraction of free memory on GPU)"
+            "help": "KV pool size in bytes (default: 1 GiB on CPU, what --gpu-memory-fraction "
+            "leaves on GPU)"
         },
     )
-    kv_memory_fraction: float = field(
+    gpu_memory_fraction: float = field(
         default=0.85,
-        metadata={"help": "GPU: fraction of total memory the process may use, weights included"},
+        metadata={
+            "help": "GPU: share of the GPU's total memory this process may use: weights, CUDA "
+            "graphs, activations and the KV pool, whatever other processes use, so nodes "
+            "sharing a GPU each take their share (fractions summing to at most 1; unset, "
+            "pdserve serve splits the default among the nodes it puts on one GPU). "
+            "--kv-memory-fraction is the old name",
+            "aliases": ("kv_memory_fraction",),
+        },
     )
     num_kv_blocks: int | None = field(
         default=None, metadata={"help": "force the number of KV blocks"}
@@ -97,8 +105,10 @@ class CacheConfig:
             )
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if not 0.0 < self.kv_memory_fraction <= 1.0:
-            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError(
+                f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}"
+            )
         for name in ("kv_cache_memory_bytes", "num_kv_blocks"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -282,7 +292,12 @@ class EngineConfig:
         parts: dict[str, dict[str, Any]] = {part: {} for part in _SUBCONFIGS}
         top: dict[str, Any] = {}
         owners = {f.name: part for part, sub in _SUBCONFIGS.items() for f in fields(sub)}
+        renamed = {  # old option names still accepted
+            a: f.name for sub in _SUBCONFIGS.values() for f in fields(sub)
+            for a in f.metadata.get("aliases", ())
+        }  # fmt: skip
         for key, value in options.items():
+            key = renamed.get(key, key)
             if key in owners:
                 parts[owners[key]][key] = value
             elif key in {f.name for f in fields(cls)} and key not in _SUBCONFIGS:
@@ -320,6 +335,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str =
             add_dataclass_args(parser, _SUBCONFIGS[f.name], prefix)
             continue
         flag = "--" + prefix + f.name.replace("_", "-")
+        aliases = ["--" + prefix + a.replace("_", "-") for a in f.metadata.get("aliases", ())]
         default = f.default if f.default is not dataclasses.MISSING else None
         kind = _scalar_type(hints[f.name])
         help_text = f.metadata.get("help", "")
@@ -327,6 +343,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str =
         if kind is bool:
             parser.add_argument(
                 flag,
+                *aliases,
                 dest=f.name,
                 action=argparse.BooleanOptionalAction,
                 default=default,
@@ -335,6 +352,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str =
         else:
             parser.add_argument(
                 flag,
+                *aliases,
                 dest=f.name,
                 type=kind,
                 default=default,

@@ -23,6 +23,9 @@ them, and its attention calls are exactly those of a model without FP8 KV.
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import subprocess
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +34,8 @@ from common.engine.config import KV_CACHE_DTYPES
 from common.model.spec import ModelSpec
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
+# A CUDA context, cuBLAS and NCCL outside PyTorch's allocator, where nvidia-smi cannot say.
+NON_TORCH_BYTES = 1 << 30
 FP8_KV_DTYPE = torch.float8_e4m3fn
 
 
@@ -148,15 +153,76 @@ def num_blocks_for_budget(
     return int(n)
 
 
-def gpu_kv_budget(device: torch.device, memory_fraction: float) -> int:
-    """Bytes left for KV once weights and the peak activations of a warm-up are accounted for."""
+@dataclass(frozen=True)
+class GpuMemory:
+    """One process's GPU memory once its weights are loaded and its largest step ran once."""
+
+    total: int  # the device's memory
+    free: int  # free on the device now; other processes use total - free - held
+    own: int  # needed besides KV and graphs: weights, the step's peak, the CUDA context
+    held: int  # held now: own less the activations the step freed
+
+
+def measure_gpu_memory(device: torch.device) -> GpuMemory:
+    """This process's use, read right after `memory_probe.step_peak_bytes` (whose peak
+    statistic it reads). Memory outside PyTorch's allocator (CUDA context, NCCL) comes from
+    nvidia-smi's per-process figure where it lists this process, else `NON_TORCH_BYTES`."""
     free, total = torch.cuda.mem_get_info(device)
-    used_by_others = total - free - torch.cuda.memory_reserved(device)
+    reserved = torch.cuda.memory_reserved(device)
     peak = torch.cuda.max_memory_allocated(device)
-    budget = int(total * memory_fraction) - used_by_others - peak
+    process = _process_gpu_bytes(device)
+    non_torch = NON_TORCH_BYTES if process is None else max(0, process - reserved)
+    return GpuMemory(total, free, max(peak, reserved) + non_torch, reserved + non_torch)
+
+
+def gpu_kv_budget(memory: GpuMemory, fraction: float, graph_bytes: int) -> int:
+    """KV bytes for a process that may use `fraction` of its GPU's total memory: that share
+    less its own use and the CUDA graphs it will capture. Other processes do not count, so
+    processes sharing a GPU each get their own share; ValueError when the share cannot hold
+    this process without KV, or when the rest of it is not free (the shares on this GPU sum
+    past 1)."""
+    share = int(memory.total * fraction)
+    budget = share - memory.own - graph_bytes
     if budget <= 0:
         raise ValueError(
-            f"no GPU memory left for the KV cache: total {total}, fraction {memory_fraction}, "
-            f"peak use {peak}, other processes {used_by_others}"
+            f"--gpu-memory-fraction {fraction:g} allows {_gb(share)} of this GPU's "
+            f"{_gb(memory.total)}, no more than the {_gb(memory.own + graph_bytes)} this "
+            f"process needs before any KV cache (weights, activations and CUDA context "
+            f"{_gb(memory.own)}, CUDA graphs {_gb(graph_bytes)}): raise the fraction"
+        )
+    still_needed = share - memory.held
+    if still_needed > memory.free:
+        others = memory.total - memory.free - memory.held
+        raise ValueError(
+            f"--gpu-memory-fraction {fraction:g} allows {_gb(share)} of this GPU's "
+            f"{_gb(memory.total)}; this process holds {_gb(memory.held)} and the rest, "
+            f"{_gb(still_needed)}, is not free ({_gb(memory.free)}: other processes use "
+            f"{_gb(others)}): the fractions of the processes sharing a GPU must sum to at most 1"
         )
     return budget
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def _process_gpu_bytes(device: torch.device) -> int | None:
+    """This process's memory on `device` as nvidia-smi lists it (None where it is missing, or
+    lists no such process: another PID namespace, MIG)."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    query = "--query-compute-apps=pid,gpu_uuid,used_memory"
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", query, "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=30,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", ""))
+    for line in out.splitlines():
+        pid, gpu, mib = (part.strip() for part in (line.split(",") + ["", ""])[:3])
+        mine = pid == str(os.getpid()) and (not uuid or gpu.lower().endswith(uuid.lower()))
+        if mine and mib.isdigit():
+            return int(mib) << 20
+    return None

@@ -28,6 +28,7 @@ from common.engine.kv_cache import (
     KVCache,
     gpu_kv_budget,
     kv_cache_dtype,
+    measure_gpu_memory,
     num_blocks_for_budget,
 )
 from common.engine.kv_format import (
@@ -381,11 +382,12 @@ class Worker:
             budget = cc.kv_cache_memory_bytes
         elif self.device.type == "cuda":
             self._profile_peak_memory(max_len)
-            budget = gpu_kv_budget(self.device, cc.kv_memory_fraction)
-            if self.use_graphs:
-                # Captured graphs keep their steps' activations (and the shared logits buffer)
-                # in their own pools; measured here so the KV pool leaves room.
-                budget -= self._graph_bytes()
+            memory = measure_gpu_memory(self.device)  # before _graph_bytes resets the peak
+            # Captured graphs keep their steps' activations (and the shared logits buffer) in
+            # their own pools; measured here so the KV pool leaves room.
+            graphs = self._graph_bytes() if self.use_graphs else 0
+            budget = gpu_kv_budget(memory, cc.gpu_memory_fraction, graphs)
+            log.info("GPU memory: %s, graphs %d bytes, KV budget %d bytes", memory, graphs, budget)
         else:
             budget = DEFAULT_CPU_KV_BYTES
         extra = 0

@@ -181,8 +181,8 @@ def _space(config: PlanConfig, setup: Setup, profile: Profile) -> SearchSpace:
     """The search grids, with every knob the user fixed by a flag held at that value."""
     prefill, decode = setup.options["prefill"], setup.options["decode"]
     fractions: tuple[float | None, ...] = (None,)
-    if "kv_memory_fraction" in decode:
-        fractions = (decode["kv_memory_fraction"],)
+    if "gpu_memory_fraction" in decode:
+        fractions = (decode["gpu_memory_fraction"],)
     elif (
         setup.gpu
         and profile.memory.total_bytes
@@ -204,7 +204,7 @@ def _fixed(options: dict[str, Any], name: str, grid: tuple[int, ...]) -> tuple[i
     return (options[name],) if name in options else grid
 
 
-SET_BY_CANDIDATE = {"transport", "kv_memory_fraction"}
+SET_BY_CANDIDATE = {"transport", "gpu_memory_fraction"}
 
 
 def _user_flags(p: Prediction, setup: Setup) -> list[str]:

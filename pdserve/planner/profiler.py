@@ -266,7 +266,7 @@ class Profiler:
         total = fraction = None
         if w.device.type == "cuda":
             total = torch.cuda.mem_get_info(w.device)[1]
-            fraction = self.config.cache.kv_memory_fraction
+            fraction = self.config.cache.gpu_memory_fraction
         return MemoryInfo(per_token, rt.block_size, kv_bytes, rt.weight_bytes, total, fraction)
 
     # -- helpers --------------------------------------------------------------------------

@@ -83,7 +83,7 @@ def knob_flags(layout: Layout, knobs: Knobs) -> list[str]:
         ]
     out += [KNOB_FLAGS["decode_max_num_seqs"], str(knobs.decode_max_num_seqs)]
     if knobs.kv_memory_fraction is not None:
-        out += ["--kv-memory-fraction", f"{knobs.kv_memory_fraction:g}"]
+        out += ["--gpu-memory-fraction", f"{knobs.kv_memory_fraction:g}"]
     return out
 
 
@@ -100,7 +100,7 @@ def _engine_default(name: str) -> Any:
 def user_engine_flags(options: dict[str, dict[str, Any]], skip: set[str]) -> list[str]:
     """The engine and node flags a user gave `pdserve plan`, as `pdserve serve` flags: one
     `--X` where both pools agree, `--prefill-X` / `--decode-X` where they differ. `skip`:
-    field names the candidate's flags set (`transport`, `kv_memory_fraction`, ...)."""
+    field names the candidate's flags set (`transport`, `gpu_memory_fraction`, ...)."""
     out = []
     names = sorted(set(options["prefill"]) | set(options["decode"]))
     for name in names:
