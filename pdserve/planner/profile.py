@@ -35,11 +35,15 @@ class ProfileKey:
     # "dense", or an MoE model's routed experts and their layout: "moe128top8-tp" (each rank
     # a slice of every expert) or "moe128top8-ep" (whole experts per rank)
     experts: str = "dense"
+    # Pipeline stages of the profiled node: a pipelined prefill pool is planned only from
+    # profiles of its own pp (none are measured yet; pp 1 keys read as before).
+    pp: int = 1
 
     def as_text(self) -> str:
+        pp = f"|pp{self.pp}" if self.pp > 1 else ""
         return (
             f"{self.model}|{self.dtype}|weights:{self.quantization}|kv:{self.kv_dtype}|"
-            f"{self.device}|tp{self.tp}|experts:{self.experts}|{self.code_version}"
+            f"{self.device}|tp{self.tp}{pp}|experts:{self.experts}|{self.code_version}"
         )
 
     def describe(self) -> str:
@@ -47,7 +51,7 @@ class ProfileKey:
         experts = "" if self.experts == "dense" else f", experts {self.experts}"
         return (
             f"{self.device}, {self.dtype}, weights {self.quantization}, KV {self.kv_dtype}, "
-            f"TP {self.tp}{experts}"
+            f"TP {self.tp}{experts}" + (f", PP {self.pp}" if self.pp > 1 else "")
         )
 
 

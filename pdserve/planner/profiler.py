@@ -123,6 +123,7 @@ def profile_key(config: EngineConfig, tp: int = 1) -> ProfileKey:
     return ProfileKey(
         model, dtype, quantization_name(scheme), kv_dtype_name(config, dtype),
         device_name(device), tp, code_version(), experts_name(spec.moe, ep),
+        getattr(config, "pp", 1),
     )  # fmt: skip
 
 
