@@ -122,15 +122,21 @@ def test_the_launcher_summary_shows_weights_graphs_kv_and_the_gpu_share():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_prefill_and_two_decode_nodes_on_one_gpu_start_by_fractions_and_serve(tmp_path):
-    from benchmarks.stack import same_python_env
+    """Qwen2.5-7B's config with dummy weights (no tokenizer: token-id prompts), so the three
+    nodes hold real weights (15 GB each) inside their 0.283 shares."""
+    import json
+
+    from benchmarks.stack import ROOT, same_python_env
     from tests.pd_stack import PDStack
 
     env = same_python_env(tmp_path / "venv")
-    stack = PDStack("--num-decode", "2", "--prefill-gpus", "0", "--decode-gpus", "0",
+    model = ROOT / "benchmarks/configs/qwen2.5-7b-instruct"
+    stack = PDStack("--model", str(model), "--load-format", "dummy", "--num-decode", "2",
+                    "--prefill-gpus", "0", "--decode-gpus", "0",
                     log_path=tmp_path / "stack.log", env=env)  # fmt: skip
     try:
         for _ in range(2):  # round robin: both decode nodes
-            body = b'{"prompt": "The capital of France is", "max_tokens": 8}'
+            body = json.dumps({"prompt": list(range(1000, 1100)), "max_tokens": 8}).encode()
             request = urllib.request.Request(
                 stack.url + "/v1/completions", body, {"Content-Type": "application/json"}
             )
