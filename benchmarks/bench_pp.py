@@ -34,7 +34,8 @@ What each number leaves out:
 
 `--check` first compares greedy tokens of PP 1 and PP 2 (fp32, CUDA graphs of each stage on
 GPU) in a child process. Exit status 1 when a layout failed to start, a request failed, a
-transfer went unreported, a started process outlived its stack, or the check differed.
+transfer went unreported, a cuda_ipc sender on GPU fell back to frames, a started process
+outlived its stack, or the check differed.
 """
 
 from __future__ import annotations
@@ -267,7 +268,9 @@ def problems(layout: str, data: dict[str, Any], args: argparse.Namespace) -> lis
     for row in data["runs"]:
         where = f"{layout} {row['load']}"
         if row["completed"] < row["requests"]:
-            out.append(f"{where}: {row['requests'] - row['completed']} failed: {row['errors'][:3]}")
+            out.append(
+                f"{where}: {row['requests'] - row['completed']} failed: {sorted(set(row['errors']))[:3]}"
+            )
         if args.max_tokens > 1 and row["kv_transfer_missing"]:
             out.append(f"{where}: {row['kv_transfer_missing']} requests reported no transfer")
     return out
