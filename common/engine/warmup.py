@@ -5,9 +5,9 @@ alignment, each integer argument's divisibility by 16 or equality to 1, each con
 keeps the binary in its disk cache. The forwards are compiled when their CUDA graphs are
 captured, but sampling runs outside the graphs: in a fresh container the first sampled requests
 compiled the sampler's kernels inside decode steps, stalling the whole batch (issue 25: 11.9 ms
-against 4.8 ms per step over the first 200 steps). `warm_up` runs one step's sampling, through
-the runner's own code (`ModelRunner._sample`, `StepHandle.result`), on dummy logits of the real
-vocabulary for:
+per step in a fresh machine's first process, 4.8 ms in the next). `warm_up` runs one step's
+sampling, through the runner's own code (`ModelRunner._sample`, `StepHandle.result`), on dummy
+logits of the real vocabulary for:
 
 - one row of each kind in `KINDS` alone (a single sampled row passes top-p as a strided view of
   the plan's filters, an unaligned pointer: its own Triton specialization), then each batch
@@ -22,9 +22,10 @@ Every dummy request's sampler and grammar state is released; what stays is what 
 would leave: the token-count table's first rows, the compiled grammar compiler and pinned
 host blocks.
 
-Not covered (compiled on first use still): a new grammar (xgrammar compiles each schema, on
-the host), `top_k` / logprob counts whose torch kernels differ from the ones run here, eager
-steps that fall outside the captured graphs (attention kernels specialize on their shapes).
+Not covered (still compiled or set up on first use): each new grammar (xgrammar compiles a
+schema on the host), torch kernels chosen by shapes not run here (a `top_k` far from 40-50),
+and forwards outside the captured graphs: eager or piecewise prefill steps, whose attention
+kernels specialize on their shapes, and every step under `--enforce-eager`.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def warm_up(
     """Run every sampling variant a request can reach on rank 0's runner (module docstring).
     `sizes`: batch sizes of the mixed steps (default: on CUDA the decode graphs' sizes and
     `PREFILL_ROWS`; on CPU none, since nothing compiles there and a pass over a real
-    vocabulary costs a tenth of a second). `grammar`: warm the grammar path too, when
+    vocabulary costs tenths of a second). `grammar`: warm the grammar path too, when
     xgrammar is importable and the model has a tokenizer (default: on CUDA)."""
     cuda = worker.device.type == "cuda"
     if sizes is None:
