@@ -271,9 +271,9 @@ class EngineConfig:
     warmup: bool = field(
         default=True,
         metadata={
-            "help": "before the node reports ready, sample once with every kind of request "
-            "(filters, penalties, seeds, logprobs, logit_bias, grammar masks) at each graph "
-            "size, so no kernel compiles under the first requests (--no-warmup: skip it)"
+            "help": "GPU: before the node reports ready, sample once with every kind of "
+            "request (filters, penalties, seeds, logprobs, logit_bias, grammar masks) at each "
+            "graph size, so no kernel compiles under the first requests (--no-warmup: skip it)"
         },
     )
 
