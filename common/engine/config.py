@@ -268,6 +268,14 @@ class EngineConfig:
             "behind (--no-overlap-scheduling: the synchronous loop, for comparison)"
         },
     )
+    warmup: bool = field(
+        default=True,
+        metadata={
+            "help": "GPU: before the node reports ready, sample once with every kind of "
+            "request (filters, penalties, seeds, logprobs, logit_bias, grammar masks) at each "
+            "graph size, so no kernel compiles under the first requests (--no-warmup: skip it)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.tp < 1:

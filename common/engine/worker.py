@@ -48,6 +48,7 @@ from common.engine.spec_decode.loading import (
 )
 from common.engine.tp_link import StepDriver, StepFollower
 from common.engine.tp_ranks import RankHandler, RankProcesses, RankRole
+from common.engine.warmup import warm_up
 from common.model.attention import create_backend
 from common.model.attention.selection import choose_backend
 from common.model.distributed import PipeGroup, TPGroup, close_world, init_node_groups
@@ -288,6 +289,8 @@ class Worker:
             pp=config.pp,
             pp_layers=self.pp_layout.sizes if config.pp > 1 else (),
         )
+        if rank == 0 and config.warmup:
+            warm_up(self)
         log.info("worker ready (rank %d of %d): %s", rank, config.world_size, self.runtime)
 
     @functools.cached_property
