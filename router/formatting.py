@@ -174,9 +174,9 @@ class ResponseFormatter:
     ) -> tuple[str, list[TokenPiece]]:
         """A completion choice's text and tokens with the prompt's in front."""
         assert self.prompt is not None and self.prompt.echo is not None
-        if not self.logprobs:
-            return self.prompt.echo + text, pieces
-        return self.prompt.echo + text, self._prompt_pieces(prompt_logprobs) + pieces
+        if self.logprobs:
+            pieces = self._prompt_pieces(prompt_logprobs) + pieces
+        return self.prompt.echo + text, pieces
 
     def _prompt_pieces(self, plp: PromptLogprobs | None) -> list[TokenPiece]:
         """The prompt's tokens as pieces: the first has no logprob; each other one its top

@@ -19,7 +19,12 @@ from common.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
 from common.protocol.structured import check_structured
 from router.chat import chat_prompt_ids
 from router.errors import OpenAIError, invalid
-from router.protocol import ChatCompletionRequest, CompletionRequest, _GenerationFields
+from router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    StreamOptions,
+    _GenerationFields,
+)
 from router.tools import ToolPlan, grammar_schema, plan_tools
 
 
@@ -226,7 +231,7 @@ def _prepared(
     prompt = None
     if echo is not None or req.prompt_logprobs is not None:
         prompt = PromptReturn(ids, echo, logprobs or 0, req.prompt_logprobs)
-    options = {
+    fields = {
         "n": req.n,
         "temperature": req.temperature,
         "top_p": req.top_p,
@@ -244,15 +249,15 @@ def _prepared(
         "logit_bias": _logit_bias(req.logit_bias),
         "prompt_logprobs": _prompt_logprobs(req.prompt_logprobs, logprobs, echo is not None),
     }
-    given = {k: v for k, v in options.items() if v is not None}
+    given = {k: v for k, v in fields.items() if v is not None}
     engine_max = 1 if max_tokens == 0 else max_tokens
     try:
         params = SamplingParams(max_tokens=engine_max, logprobs=logprobs, **given)
     except ValueError as exc:
         raise invalid(str(exc), _param_named_in(str(exc))) from None
     stream = bool(req.stream)
-    usage = req.stream_options
-    include_usage = stream and bool(usage and usage.include_usage)
+    options = req.stream_options or StreamOptions()
+    include_usage = stream and bool(options.include_usage)
     return PreparedRequest(
         kind,
         ids,
@@ -261,7 +266,7 @@ def _prepared(
         include_usage,
         logprobs is not None,
         skip_special_tokens=req.skip_special_tokens is not False,
-        continuous_usage=include_usage and bool(usage and usage.continuous_usage_stats),
+        continuous_usage=include_usage and bool(options.continuous_usage_stats),
         generates=generates,
         prompt=prompt,
     )

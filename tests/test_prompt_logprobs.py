@@ -1,6 +1,7 @@
 """Prompt logprobs without a server: the engine's chunked computation against HF transformers
-(fp32, the embedded model), the rows each step collects, the wire message, and the response
-shapes built from them (completions echo, vLLM's `prompt_logprobs` field)."""
+(fp32, the embedded model), the rows each step collects, the wire message, the response shapes
+built from them (completions echo, vLLM's `prompt_logprobs` field), and what the router asks
+the nodes for (the real app, loopback nodes)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from common.engine.sequence import Sequence
 from common.protocol.messages import (
     FirstToken,
     MessageError,
+    PrefillRequest,
     PromptLogprobs,
     TokenBatch,
     decode,
@@ -25,6 +27,8 @@ from common.protocol.messages import (
 from router.formatting import ResponseFormatter
 from router.prepare import PromptReturn
 from router.session import Delta, TokenPiece
+from tests.test_router_api_errors import CHAT, HI, TEXT, assert_openai_error, call
+from tests.test_router_api_fields import make_app
 from tests.test_router_formatting import LetterTokenizer
 
 PROMPT = (
@@ -222,3 +226,37 @@ def test_continuous_usage_puts_usage_in_every_chunk():
     # vLLM: without include_usage, continuous_usage_stats adds nothing
     quiet = ResponseFormatter("chat", "c", "m", 1, LetterTokenizer(), continuous_usage=True)
     assert "usage" not in quiet.chunk(Delta("a", [TokenPiece(0)]), usage=usage)
+
+
+@pytest.fixture
+def app(source, tokenizer):
+    return make_app(source, tokenizer, [28120, 905])
+
+
+def sent_sampling(app) -> SamplingParams:
+    return app.state.core.link.sent_of(PrefillRequest)[-1][1].sampling
+
+
+def test_echo_and_max_tokens_zero_ask_the_nodes_for_prompt_logprobs_and_one_token(app):
+    body = {"prompt": "a b", "echo": True, "logprobs": 1, "max_tokens": 0}
+    assert call(app, "POST", TEXT, body).status_code == 200
+    sampling = sent_sampling(app)
+    assert sampling.prompt_logprobs == 1 and sampling.max_tokens == 1
+    body = {"messages": HI, "prompt_logprobs": 3, "logprobs": True, "top_logprobs": 5}
+    assert call(app, "POST", CHAT, body).status_code == 200
+    assert sent_sampling(app).prompt_logprobs == 3  # the field's k, not top_logprobs
+
+
+BAD = [
+    (TEXT, {"prompt": "a", "prompt_logprobs": 21}, "prompt_logprobs"),
+    (TEXT, {"prompt": "a", "prompt_logprobs": -1}, "prompt_logprobs"),
+    (CHAT, {"messages": HI, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    (TEXT, {"prompt": "a", "max_tokens": 0, "min_tokens": 1}, "min_tokens"),
+    (CHAT, {"messages": HI, "echo": True}, "echo"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", BAD, ids=[p for _, _, p in BAD])
+def test_bad_prompt_logprob_requests_are_400s_naming_the_field(app, path, body, param):
+    assert_openai_error(call(app, "POST", path, body), 400, param)
+    assert app.state.core.link.sent == []
