@@ -25,7 +25,7 @@ from common.engine.tp_ranks import RankRole
 from common.engine.worker import Worker
 from common.node.channel import HOST_ID, NodeChannel
 from common.node.config import NodeConfig
-from common.protocol.messages import DecodeRequest, RequestError, Reservation
+from common.protocol.messages import DecodeRequest, PromptLogprobs, RequestError, Reservation
 from decode_node.request import Phase, Request
 from decode_node.reservations import ReservationQueue
 from kv_transfer import Transfer, TransferConfig, TransferState, create_receiver
@@ -102,6 +102,10 @@ class LocalPrefill:
             "prefill_queue": start - timing.arrived_at,
             "prefill_compute": time.monotonic() - start,
         }
+
+    def prompt_logprobs(self, request: Request) -> PromptLogprobs | None:
+        """This node prefilled the prompt: its logprobs, when asked, go with the first token."""
+        return request.seq.prompt_logprobs()
 
     def load(self) -> dict[str, int]:
         return {"reserved": 0, "quarantined": 0, "kv_late_frames": 0, "kv_malformed_frames": 0}
@@ -279,6 +283,10 @@ class PDAdmission:
 
     def first_report(self, request: Request) -> dict[str, float]:
         return {}
+
+    def prompt_logprobs(self, request: Request) -> PromptLogprobs | None:
+        """None: the prefill node sent them to the router with the first token."""
+        return None
 
     def load(self) -> dict[str, int]:
         return {

@@ -176,7 +176,7 @@ class DecodeNode:
         a speculating sample's last output its speculative decoding counts. `ended`: the
         samples that finished at this step (one `EngineCore.step` may return two steps' outputs,
         and by then a sample may have finished at the later one)."""
-        ids, tokens, reasons, indices, timing = [], [], [], [], {}
+        ids, tokens, reasons, indices, timing, prompt = [], [], [], [], {}, {}
         logprobs: list[float | None] | None = None
         tops: list | None = None
         specs: list[dict[str, Any] | None] | None = None
@@ -191,6 +191,8 @@ class DecodeNode:
             tokens.append(token.token_id)
             if req is not None and not req.timing.sent_first:
                 timing[rid] = self._first_report(req)
+                if (prompt_logprobs := self.admission.prompt_logprobs(req)) is not None:
+                    prompt[rid] = prompt_logprobs
             finished = seq.request_id in ended and last_row[seq.request_id] == i
             reasons.append(seq.finish_reason.value if finished and seq.finish_reason else None)
             if finished and speculating:
@@ -209,9 +211,9 @@ class DecodeNode:
             if token.top_logprobs is not None:
                 tops = tops or [None] * len(rows)
                 tops[i] = [[t, lp] for t, lp in token.top_logprobs]
-        sampled_index = any(indices)
+        indices_column = indices if any(indices) else None
         return TokenBatch(
-            ids, tokens, reasons, logprobs, tops, timing, indices if sampled_index else None, specs
+            ids, tokens, reasons, logprobs, tops, timing, indices_column, specs, prompt
         )
 
     def _first_report(self, req: Request) -> dict[str, float]:

@@ -44,6 +44,7 @@ def first_token(seq: Sequence, job: PrefillJob) -> FirstToken:
             "prefill_queue": job.scheduled_at - job.arrived_at,
             "prefill_compute": job.first_token_at - job.scheduled_at,
         },
+        prompt_logprobs=seq.prompt_logprobs(),
     )
 
 

@@ -1,8 +1,16 @@
 """OpenAI response bodies and SSE chunks for chat and text completions, logprobs included.
 
-One `ResponseFormatter` per response: it remembers whether the chat role was sent and the
-text offset of completion logprobs across chunks. Logprobs that are not finite become
--9999.0, as OpenAI does, so every body is strict JSON.
+One `ResponseFormatter` per response: it remembers whether each choice's first chunk (the chat
+role, the completion's echoed prompt) was sent and the text offset of completion logprobs
+across chunks. Logprobs that are not finite become -9999.0, as OpenAI does, so every body is
+strict JSON.
+
+The prompt (`PromptReturn`): completions' `echo` puts the prompt text before each choice's
+text and, with `logprobs`, its tokens before the generated ones (the first with null
+logprobs, each with its top entries plus the prompt token itself, as vLLM); vLLM's
+`prompt_logprobs` field is a list with null for the first prompt token, then per position a
+map of token id to `{logprob, rank, decoded_token}` (the prompt token first, then the top k),
+in each completion choice or at the top of a chat response.
 """
 
 from __future__ import annotations
@@ -11,6 +19,8 @@ import json
 import math
 from typing import Any
 
+from common.protocol.messages import PromptLogprobs
+from router.prepare import PromptReturn
 from router.session import Delta, TokenPiece
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -38,7 +48,11 @@ class ResponseFormatter:
         *,
         logprobs: bool = False,
         include_usage: bool = False,
+        continuous_usage: bool = False,
+        prompt: PromptReturn | None = None,
     ) -> None:
+        """`continuous_usage` (with `include_usage`): usage in every chunk, as vLLM's
+        `continuous_usage_stats`."""
         if kind not in ("chat", "completion"):
             raise ValueError(f"kind must be 'chat' or 'completion', got {kind!r}")
         self.kind = kind
@@ -48,38 +62,53 @@ class ResponseFormatter:
         self.tokenizer = tokenizer
         self.logprobs = logprobs
         self.include_usage = include_usage
-        self._role_sent: set[int] = set()  # choices whose first chunk (with the role) went out
+        self.continuous_usage = include_usage and continuous_usage
+        self.prompt = prompt
+        self._role_sent: set[int] = set()  # choices whose first chunk (role, echo) went out
         self._text_offset: dict[int, int] = {}  # per choice, across chunks
         self._token_text: dict[int, str] = {}
 
-    def chunk(self, delta: Delta, timing: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    def chunk(
+        self,
+        delta: Delta,
+        timing: dict[str, Any] | None = None,
+        usage: dict[str, int] | None = None,
+        prompt_logprobs: PromptLogprobs | None = None,
+    ) -> dict[str, Any] | None:
         """The stream chunk for one delta, or None when it carries nothing for the client.
 
         Every delta that carries tokens gets a chunk, even when its text is empty (held back
         for a stop string, an incomplete UTF-8 sequence, a possible tool call, or a model
-        without a tokenizer), as vLLM does: clients time tokens by the chunks they receive."""
-        if not (delta.text or delta.finish_reason or delta.tool_calls or delta.pieces):
-            if self.kind == "completion" or delta.index in self._role_sent:
+        without a tokenizer), as vLLM does: clients time tokens by the chunks they receive.
+        `usage`: the request's so far (sent with `continuous_usage`); `prompt_logprobs`: what
+        an echo with logprobs shows before the first chunk's tokens."""
+        first = delta.index not in self._role_sent
+        text, pieces = delta.text, delta.pieces
+        if self.kind == "completion" and first and self._echoes:
+            text, pieces = self._echo(text, pieces, prompt_logprobs)
+        if not (text or delta.finish_reason or delta.tool_calls or pieces):
+            if self.kind == "completion" or not first:
                 return None
         choice: dict[str, Any] = {"index": delta.index}
         if self.kind == "chat":
-            first = delta.index not in self._role_sent
             body: dict[str, Any] = {"role": "assistant"} if first else {}
-            if delta.text or ((delta.pieces or first) and not delta.tool_calls):
-                body["content"] = delta.text
+            if text or ((pieces or first) and not delta.tool_calls):
+                body["content"] = text
             if delta.tool_calls:
                 body["tool_calls"] = delta.tool_calls
-            self._role_sent.add(delta.index)
             choice["delta"] = body
         else:
-            choice["text"] = delta.text
-        choice["logprobs"] = self._logprobs(delta.pieces, delta.index) if self.logprobs else None
+            choice["text"] = text
+        self._role_sent.add(delta.index)
+        choice["logprobs"] = self._logprobs(pieces, delta.index) if self.logprobs else None
         choice["finish_reason"] = delta.finish_reason
         out = self._envelope(
             f"{self._object()}.chunk" if self.kind == "chat" else "text_completion"
         )
         out["choices"] = [choice]
-        if self.include_usage:
+        if self.continuous_usage and usage is not None:
+            out["usage"] = usage
+        elif self.include_usage:
             out["usage"] = None
         if timing is not None:
             out["timing"] = timing
@@ -93,27 +122,41 @@ class ResponseFormatter:
         return out
 
     def response(
-        self, choices: list[Delta], usage: dict[str, int], timing: dict[str, Any]
+        self,
+        choices: list[Delta],
+        usage: dict[str, int],
+        timing: dict[str, Any],
+        prompt_logprobs: PromptLogprobs | None = None,
     ) -> dict[str, Any]:
-        """The whole body; each Delta holds one choice's complete text, tokens and ending."""
+        """The whole body; each Delta holds one choice's complete text, tokens and ending;
+        `prompt_logprobs`: the request's, for echo and the `prompt_logprobs` field."""
         out = self._envelope(self._object())
-        out.update(choices=[self._choice(c) for c in choices], usage=usage, timing=timing)
+        out["choices"] = [self._choice(c, prompt_logprobs) for c in choices]
+        wanted = self.prompt is not None and self.prompt.prompt_logprobs is not None
+        if self.kind == "chat" and wanted:
+            out["prompt_logprobs"] = self._prompt_logprobs_field(prompt_logprobs)
+        out.update(usage=usage, timing=timing)
         return out
 
-    def _choice(self, whole: Delta) -> dict[str, Any]:
+    def _choice(self, whole: Delta, prompt_logprobs: PromptLogprobs | None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": whole.index}
+        text, pieces = whole.text, whole.pieces
         if self.kind == "chat":
-            message: dict[str, Any] = {"role": "assistant", "content": whole.text}
+            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
             if whole.tool_calls:
-                message["content"] = whole.text if whole.text.strip() else None
+                message["content"] = text if text.strip() else None
                 message["tool_calls"] = [
                     {k: v for k, v in call.items() if k != "index"} for call in whole.tool_calls
                 ]
             choice["message"] = message
         else:
-            choice["text"] = whole.text
-        choice["logprobs"] = self._logprobs(whole.pieces, whole.index) if self.logprobs else None
+            if self._echoes:
+                text, pieces = self._echo(text, pieces, prompt_logprobs)
+            choice["text"] = text
+        choice["logprobs"] = self._logprobs(pieces, whole.index) if self.logprobs else None
         choice["finish_reason"] = whole.finish_reason
+        if self.kind == "completion" and self.prompt and self.prompt.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs_field(prompt_logprobs)
         return choice
 
     def _object(self) -> str:
@@ -122,9 +165,62 @@ class ResponseFormatter:
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
 
+    @property
+    def _echoes(self) -> bool:
+        return self.prompt is not None and self.prompt.echo is not None
+
+    def _echo(
+        self, text: str, pieces: list[TokenPiece], prompt_logprobs: PromptLogprobs | None
+    ) -> tuple[str, list[TokenPiece]]:
+        """A completion choice's text and tokens with the prompt's in front."""
+        assert self.prompt is not None and self.prompt.echo is not None
+        if self.logprobs:
+            pieces = self._prompt_pieces(prompt_logprobs) + pieces
+        return self.prompt.echo + text, pieces
+
+    def _prompt_pieces(self, plp: PromptLogprobs | None) -> list[TokenPiece]:
+        """The prompt's tokens as pieces: the first has no logprob; each other one its top
+        `top_logprobs` entries, then itself unless among them (vLLM's echo)."""
+        assert self.prompt is not None
+        ids, k = self.prompt.token_ids, self.prompt.top_logprobs
+        if plp is None:  # not computed (the node sent none): tokens without logprobs
+            return [TokenPiece(t) for t in ids]
+        pieces = [TokenPiece(ids[0])]
+        logprobs, top_ids, top_lps = (
+            a.tolist() for a in (plp.logprobs, plp.top_ids, plp.top_logprobs)
+        )
+        for i, token in enumerate(ids[1:]):
+            row = slice(i * plp.top_k, i * plp.top_k + k)
+            top = tuple(zip(top_ids[row], top_lps[row], strict=True))
+            if token not in top_ids[row]:
+                top += ((token, logprobs[i]),)
+            pieces.append(TokenPiece(token, logprobs[i], top))
+        return pieces
+
+    def _prompt_logprobs_field(self, plp: PromptLogprobs | None) -> list[Any] | None:
+        """vLLM's `prompt_logprobs`: None first, then per position {token id: entry}."""
+        if plp is None:
+            return None
+        assert self.prompt is not None and self.prompt.prompt_logprobs is not None
+        ids, k = self.prompt.token_ids, self.prompt.prompt_logprobs
+        logprobs, ranks = plp.logprobs.tolist(), plp.ranks.tolist()
+        top_ids, top_lps = plp.top_ids.tolist(), plp.top_logprobs.tolist()
+        out: list[Any] = [None]
+        for i, token in enumerate(ids[1:]):
+            entries = {str(token): self._prompt_entry(token, logprobs[i], ranks[i])}
+            for j in range(k):
+                top = top_ids[i * plp.top_k + j]
+                if str(top) not in entries:
+                    entries[str(top)] = self._prompt_entry(top, top_lps[i * plp.top_k + j], j + 1)
+            out.append(entries)
+        return out
+
+    def _prompt_entry(self, token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+        return {"logprob": _finite(logprob), "rank": rank, "decoded_token": self._text(token_id)}
+
     def _logprobs(self, pieces: list[TokenPiece], index: int) -> dict[str, Any]:
         if self.kind == "chat":
-            return {"content": [self._chat_entry(p) for p in pieces]}
+            return {"content": [self._chat_entry(p) for p in pieces], "refusal": None}
         tokens, offsets = [], []
         offset = self._text_offset.get(index, 0)
         for piece in pieces:

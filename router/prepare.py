@@ -19,7 +19,12 @@ from common.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
 from common.protocol.structured import check_structured
 from router.chat import chat_prompt_ids
 from router.errors import OpenAIError, invalid
-from router.protocol import ChatCompletionRequest, CompletionRequest, _GenerationFields
+from router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    StreamOptions,
+    _GenerationFields,
+)
 from router.tools import ToolPlan, grammar_schema, plan_tools
 
 
@@ -27,6 +32,17 @@ from router.tools import ToolPlan, grammar_schema, plan_tools
 class ModelLimits:
     max_model_len: int
     vocab_size: int
+
+
+@dataclass(frozen=True)
+class PromptReturn:
+    """What the response carries about the prompt: completions' `echo` and vLLM's
+    `prompt_logprobs` (the node computes them when `SamplingParams.prompt_logprobs` is set)."""
+
+    token_ids: list[int]
+    echo: str | None = None  # text put before each completion choice's text
+    top_logprobs: int = 0  # top entries per echoed prompt token (the request's `logprobs`)
+    prompt_logprobs: int | None = None  # top entries per position of the `prompt_logprobs` field
 
 
 @dataclass(frozen=True)
@@ -39,6 +55,10 @@ class PreparedRequest:
     return_logprobs: bool  # the client asked for per-token logprobs
     skip_special_tokens: bool = True
     tools: ToolPlan | None = None  # how the text becomes tool calls (chat with tools only)
+    continuous_usage: bool = False  # usage in every chunk (vLLM's continuous_usage_stats)
+    # False for max_tokens 0: the nodes sample one token (max_tokens 1) the client never sees
+    generates: bool = True
+    prompt: PromptReturn | None = None  # echo or prompt_logprobs asked
 
     @property
     def prompt_field(self) -> str:
@@ -61,7 +81,6 @@ UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("length_penalty", lambda v: v in (None, 1.0), "length_penalty needs beam search"),
     ("include_stop_str_in_output", _false, "stop strings are never included in the output"),
     ("spaces_between_special_tokens", lambda v: v in (None, True), "it must be true"),
-    ("prompt_logprobs", _unset, "prompt logprobs are not supported"),
     ("truncate_prompt_tokens", _unset, "prompts are never truncated; shorten the prompt"),
     ("guided_json", _unset, "use response_format json_schema"),
     ("guided_regex", _unset, "regex constraints are not supported"),
@@ -76,7 +95,6 @@ UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("reasoning_effort", _unset, "use chat_template_kwargs (for Qwen3: enable_thinking)"),
     ("web_search_options", _unset, "web search is not supported"),
     ("mm_processor_kwargs", _unset, "multimodal inputs are not supported"),
-    ("echo", _false, "echo is not supported"),
     ("suffix", _false, "suffix (insertion) is not supported"),
 )
 
@@ -86,13 +104,6 @@ def refuse_unsupported(req: _GenerationFields) -> None:
         value = getattr(req, name, None)
         if not neutral(value):
             raise invalid(f"{name} is not supported by pdserve: {hint}", name)
-    options = req.stream_options
-    if options is not None and options.continuous_usage_stats:
-        raise invalid(
-            "stream_options.continuous_usage_stats is not supported: usage comes in the last "
-            "chunk (include_usage)",
-            "stream_options",
-        )
 
 
 def check_model(requested: str | None, names: Sequence[str]) -> None:
@@ -110,6 +121,8 @@ def prepare_chat(
     req: ChatCompletionRequest, tokenizer: Any, tool_parser: str = "hermes"
 ) -> PreparedRequest:
     refuse_unsupported(req)
+    if req.echo:
+        raise invalid("echo is not supported by pdserve for chat completions", "echo")
     tools = plan_tools(req, tool_parser)
     ids = chat_prompt_ids(req, tokenizer, tools.tools if tools else None)
     if req.top_logprobs is not None and not req.logprobs:
@@ -145,7 +158,12 @@ def prepare_completion(req: CompletionRequest, tokenizer: Any) -> PreparedReques
         ids = list(tokenizer.encode(prompt, add_special_tokens=add_special))
     else:
         ids = list(prompt)
-    return _prepared("completion", ids, req, req.max_tokens, req.logprobs)
+    echo = None
+    if req.echo:
+        if tokenizer is None:
+            raise invalid("echo needs the model's tokenizer, which this model lacks", "echo")
+        echo = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+    return _prepared("completion", ids, req, req.max_tokens, req.logprobs, echo=echo)
 
 
 def apply_limits(prepared: PreparedRequest, limits: ModelLimits) -> PreparedRequest:
@@ -198,10 +216,22 @@ def _prepared(
     max_tokens: int | None,
     logprobs: int | None,
     structured: dict[str, Any] | None = None,
+    echo: str | None = None,
 ) -> PreparedRequest:
+    """`echo`: the prompt text a completion's `echo` puts before its text."""
     if not ids:
         raise invalid("the prompt is empty", "messages" if kind == "chat" else "prompt")
-    options = {
+    if max_tokens is not None and max_tokens < 0:
+        raise invalid(f"max_tokens must be >= 0, got {max_tokens}", "max_tokens")
+    generates = max_tokens != 0
+    if not generates and req.min_tokens:
+        raise invalid(f"min_tokens must be <= max_tokens (0), got {req.min_tokens}", "min_tokens")
+    if req.prompt_logprobs is not None and req.stream:
+        raise invalid("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+    prompt = None
+    if echo is not None or req.prompt_logprobs is not None:
+        prompt = PromptReturn(ids, echo, logprobs or 0, req.prompt_logprobs)
+    fields = {
         "n": req.n,
         "temperature": req.temperature,
         "top_p": req.top_p,
@@ -217,14 +247,17 @@ def _prepared(
         "ignore_eos": req.ignore_eos,
         "structured": structured or _structured(req),
         "logit_bias": _logit_bias(req.logit_bias),
+        "prompt_logprobs": _prompt_logprobs(req.prompt_logprobs, logprobs, echo is not None),
     }
-    given = {k: v for k, v in options.items() if v is not None}
+    given = {k: v for k, v in fields.items() if v is not None}
+    engine_max = 1 if max_tokens == 0 else max_tokens
     try:
-        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **given)
+        params = SamplingParams(max_tokens=engine_max, logprobs=logprobs, **given)
     except ValueError as exc:
         raise invalid(str(exc), _param_named_in(str(exc))) from None
     stream = bool(req.stream)
-    include_usage = stream and bool(req.stream_options and req.stream_options.include_usage)
+    options = req.stream_options or StreamOptions()
+    include_usage = stream and bool(options.include_usage)
     return PreparedRequest(
         kind,
         ids,
@@ -233,7 +266,17 @@ def _prepared(
         include_usage,
         logprobs is not None,
         skip_special_tokens=req.skip_special_tokens is not False,
+        continuous_usage=include_usage and bool(options.continuous_usage_stats),
+        generates=generates,
+        prompt=prompt,
     )
+
+
+def _prompt_logprobs(asked: int | None, logprobs: int | None, echo: bool) -> int | None:
+    """Top entries per prompt position the node computes: the `prompt_logprobs` field's, and
+    an echo with `logprobs` shows the prompt tokens with as many as the generated ones."""
+    wanted = [k for k in (asked, logprobs if echo else None) if k is not None]
+    return max(wanted) if wanted else None
 
 
 def _structured(req: _GenerationFields) -> dict[str, Any] | None:

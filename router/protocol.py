@@ -19,7 +19,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
-    continuous_usage_stats: bool | None = None  # vLLM: refused when true
+    continuous_usage_stats: bool | None = None  # vLLM: with include_usage, usage in every chunk
 
 
 class FunctionCall(_Strict):
@@ -100,6 +100,7 @@ class _GenerationFields(_Strict):
     stop_token_ids: list[int] | None = None
     response_format: ResponseFormat | None = None
     skip_special_tokens: bool | None = None
+    prompt_logprobs: int | None = None  # vLLM: per prompt token, its logprob and the top k
     # Accepted, never change the output.
     user: str | None = None
     store: bool | None = None
@@ -112,7 +113,6 @@ class _GenerationFields(_Strict):
     length_penalty: float | None = None
     include_stop_str_in_output: bool | None = None
     spaces_between_special_tokens: bool | None = None
-    prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -144,14 +144,14 @@ class ChatCompletionRequest(_GenerationFields):
     prediction: Any = None
     reasoning_effort: str | None = None
     web_search_options: Any = None
-    echo: bool | None = None
+    echo: bool | None = None  # vLLM: echo the last message; refused unless false
     mm_processor_kwargs: Any = None
 
 
 class CompletionRequest(_GenerationFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
-    echo: bool | None = None
+    echo: bool | None = None  # the prompt before the completion (and its tokens in logprobs)
     suffix: str | None = None
     add_special_tokens: bool | None = None
 

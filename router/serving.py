@@ -114,6 +114,8 @@ class GenerationHandler:
             self.tokenizer,
             logprobs=prepared.return_logprobs,
             include_usage=prepared.include_usage,
+            continuous_usage=prepared.continuous_usage,
+            prompt=prepared.prompt,
         )
         return session, formatter
 
@@ -148,7 +150,8 @@ class GenerationHandler:
             session.status = 500
             return JSONResponse(error_body(500, "internal error"), status_code=500)
         ordered = [choices[i] for i in sorted(choices)]
-        body = formatter.response(ordered, session.usage(), session.timing().to_dict())
+        timing = session.timing().to_dict()
+        body = formatter.response(ordered, session.usage(), timing, session.prompt_logprobs)
         return JSONResponse(body)
 
     async def _stream(self, session: Session, formatter: ResponseFormatter) -> AsyncIterator[str]:
@@ -157,7 +160,7 @@ class GenerationHandler:
             async for delta in session.deltas():
                 delta = shaper.shape(delta)
                 timing = session.timing().to_dict() if delta.finish_reason else None
-                chunk = formatter.chunk(delta, timing)
+                chunk = formatter.chunk(delta, timing, session.usage(), session.prompt_logprobs)
                 if chunk is not None:
                     yield sse(chunk)
             if formatter.include_usage:

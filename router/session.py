@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.protocol.messages import FirstToken, RequestError, TokenOutput
+from common.protocol.messages import FirstToken, PromptLogprobs, RequestError, TokenOutput
 from common.text.detokenizer import IncrementalDetokenizer
 from router.core import Route, RouterCore
 from router.errors import OpenAIError
@@ -109,6 +109,8 @@ class Session:
             for i in range(params.n)
         ]
         self.status: int | None = None  # final status once known (200, an error, or 499)
+        # With the first token, when the sampling params asked (the node that prefilled)
+        self.prompt_logprobs: PromptLogprobs | None = None
         self._first_seen = route.prefill is None  # PD: decode outputs wait for the FirstToken
         self._decoding = False  # the first token and a decode output were both handled
         self._early: list[TokenOutput] = []
@@ -193,6 +195,8 @@ class Session:
         if isinstance(event, FirstToken):
             self.core.admission.first_token(self.request_id)
             self._first_seen = True
+            if event.prompt_logprobs is not None:
+                self.prompt_logprobs = event.prompt_logprobs
             first = TokenPiece(event.token_id, event.logprob, _pairs(event.top_logprobs))
             outputs.append((0, [first], event.finished, event.finish_reason))
             early, self._early = self._early, []
@@ -207,6 +211,8 @@ class Session:
             self._decode_took_over()
             early = [event]
         for output in early:
+            if output.prompt_logprobs is not None:
+                self.prompt_logprobs = output.prompt_logprobs
             if 0 <= output.index < len(self.choices):
                 choice = self.choices[output.index]
                 choice.on_decode = True
@@ -259,6 +265,9 @@ class Session:
             if choice.finish_reason is not None:
                 break
             node_done = node_finished and i == len(pieces) - 1
+            if not self.prepared.generates:  # max_tokens 0: the node's token is not shown
+                self._finish(choice, "length", node_done)
+                break
             accepted.append(piece)
             choice.tokens += 1
             texts.append(choice.detok.add([piece.token_id]))

@@ -39,13 +39,11 @@ REFUSED = [
     (TEXT, "length_penalty", 0.5),
     (TEXT, "include_stop_str_in_output", True),
     (TEXT, "spaces_between_special_tokens", False),
-    (TEXT, "prompt_logprobs", 1),
     (TEXT, "truncate_prompt_tokens", 8),
     (TEXT, "guided_json", {"type": "object"}),
     (TEXT, "guided_regex", "a+"),
     (TEXT, "guided_choice", ["a", "b"]),
     (TEXT, "guided_grammar", "root ::= 'a'"),
-    (TEXT, "echo", True),
     (TEXT, "suffix", "tail"),
     (CHAT, "functions", [{"name": "f"}]),
     (CHAT, "function_call", "auto"),
@@ -73,11 +71,6 @@ def test_a_field_that_would_change_the_output_is_refused_by_name(app, path, fiel
     message = assert_openai_error(call(app, "POST", path, body_for(path, **{field: value})), 400)
     assert field in message
     assert app.state.core.link.sent == []
-
-
-def test_continuous_usage_stats_is_refused_by_name(app):
-    body = body_for(TEXT, stream=True, stream_options={"continuous_usage_stats": True})
-    assert "continuous_usage_stats" in assert_openai_error(call(app, "POST", TEXT, body), 400)
 
 
 def test_an_unknown_field_inside_a_message_is_refused(app):

@@ -10,6 +10,7 @@ from typing import Any
 from common.engine.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.engine.sequence import FinishReason
+from common.protocol.messages import PromptLogprobs
 from common.protocol.sampling_params import SamplingParams
 from common.text.detokenizer import IncrementalDetokenizer
 from common.text.tokenizer import apply_chat_template
@@ -27,6 +28,7 @@ class RequestOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # when the sampling params asked
     # With speculation on: `SpecStats.to_dict()` (drafts, drafted and accepted tokens, mean
     # accepted length), the same entry as the server's timing record's `spec_decode`
     spec_decode: dict[str, float | int] | None = None
@@ -116,6 +118,7 @@ class LLM:
         out.token_ids = list(seq.output_token_ids)
         out.finish_reason = seq.finish_reason.value if seq.finish_reason else None
         out.num_cached_tokens = seq.num_cached_tokens
+        out.prompt_logprobs = seq.prompt_logprobs()
         if self.engine.config.speculative.enabled:
             out.spec_decode = seq.spec.to_dict()
         if seq.params.logprobs is not None:

@@ -27,6 +27,7 @@ from common.engine.device_copy import to_device
 from common.engine.kv_cache import KVCache
 from common.engine.logits_processors import LogitsProcessors
 from common.engine.prefill_graphs import PrefillGraphs
+from common.engine.prompt_logprobs import PromptRows, collect, prompt_rows
 from common.engine.sampler import (
     SampledRows,
     Sampler,
@@ -71,6 +72,8 @@ class HostInputs:
     # Per row: n on the first of a verify run's n rows, 0 on its others, 1 elsewhere
     # (`AttentionMetadata.decode_groups`).
     groups: list[int] = field(default_factory=list)
+    # Rows whose prompt logprobs are collected (rank 0 only: not sent to the other ranks).
+    prompt_rows: list[PromptRows] = field(default_factory=list)
 
     @property
     def is_decode_only(self) -> bool:
@@ -349,6 +352,7 @@ class ModelRunner:
         called before the scheduler commits the step: sampling reads each row's output length
         as its draw index."""
         h = self.host_inputs(batch, prev)
+        h.prompt_rows = prompt_rows(batch)
         handle = StepHandle(batch, h.sample_rows)
         fill = None
         if h.fill_at:
@@ -556,7 +560,11 @@ class ModelRunner:
         return self._logits(h, out) if self.model.stage.is_last else out
 
     def _logits(self, h: HostInputs, hidden: torch.Tensor) -> torch.Tensor | None:
-        """float32 logits of the sampling rows of `hidden` (one row per token)."""
+        """float32 logits of the sampling rows of `hidden` (one row per token); first the
+        prompt logprobs of `h.prompt_rows` (never in a decode-only step: a prompt token's
+        row there is the prompt's last, whose logits sample)."""
+        if h.prompt_rows:
+            collect(self.model, hidden, h.prompt_rows)
         if not h.sample_rows:
             return None
         return self.model.compute_logits(hidden[self._tensor(h.logits_indices, torch.int64)])

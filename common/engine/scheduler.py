@@ -311,8 +311,9 @@ class Scheduler:
 
     def _attach_cached_prefix(self, seq: Sequence) -> tuple[int, int] | None:
         """Give a waiting sequence its cached leading blocks; (blocks looked up, blocks found),
-        None when prefix caching is off."""
-        if not self.allocator.enable_prefix_caching:
+        None when prefix caching is off. A sequence that wants prompt logprobs matches nothing:
+        they come from the logits of every prompt position, which cached blocks never had."""
+        if not self.allocator.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return None
         self._extend_hashes(seq, seq.num_tokens)
         # Leave at least one token to compute: its logits give the next token.

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from common.engine.spec_decode.stats import SpecStats
+from common.protocol.messages import PromptLogprobs
 from common.protocol.sampling_params import SamplingParams
 
 PLACEHOLDER = -1  # an output token sampled on the device, not yet on the host
@@ -58,6 +59,9 @@ class Sequence:
     group_id: str | None = None
     index: int = 0
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding's counts
+    # params.prompt_logprobs: the rows computed so far, one part per prefill chunk, in prompt
+    # order (common.engine.prompt_logprobs)
+    prompt_logprob_parts: list[PromptLogprobs] = field(default_factory=list)
 
     @property
     def group(self) -> str:
@@ -80,6 +84,15 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def prompt_logprobs(self) -> PromptLogprobs | None:
+        """Its prompt logprobs, once its whole prompt was computed; None unless asked for."""
+        k = self.params.prompt_logprobs
+        if k is None:
+            return None
+        joined = PromptLogprobs.join(self.prompt_logprob_parts, k)
+        assert joined.num_rows == len(self.prompt_token_ids) - 1, "the prompt is not done"
+        return joined
 
     def token_at(self, index: int) -> int:
         n_prompt = len(self.prompt_token_ids)

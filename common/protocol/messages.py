@@ -11,10 +11,11 @@ per-field type checks, then its own value checks: the receiving node gets a vali
 `SamplingParams` or a `MessageError`.
 
 Integer arrays (prompt token ids, block ids, a step's sampled tokens) are `IntArray` fields:
-1-D little-endian int32 numpy arrays that travel as one msgpack `bin` of their raw bytes.
-Encoding one is a memcpy and checking one on receipt is O(1) Python (its byte length); the
-receiver checks value ranges vectorised where they matter (`Worker.new_sequence`: the
-vocabulary). Received arrays are read-only views of the frame.
+1-D little-endian int32 numpy arrays that travel as one msgpack `bin` of their raw bytes
+(`FloatArray`: float32, the same way). Encoding one is a memcpy and checking one on receipt is
+O(1) Python (its byte length); the receiver checks value ranges vectorised where they matter
+(`Worker.new_sequence`: the vocabulary). Received arrays are read-only views of the frame.
+A nested message part (`PromptLogprobs`) travels as a map of its fields, arrays included.
 
 Who sends what (see docs/architecture.md for the full lifecycle):
   router  -> prefill  PrefillRequest, Abort
@@ -41,7 +42,10 @@ from common.protocol.sampling_params import SamplingParams
 from common.protocol.wire_auth import SIGNER, SignatureError
 
 INT_DTYPE = np.dtype("<i4")
+FLOAT_DTYPE = np.dtype("<f4")
 IntArray = NewType("IntArray", np.ndarray)  # 1-D little-endian int32; msgpack bin on the wire
+FloatArray = NewType("FloatArray", np.ndarray)  # 1-D little-endian float32; msgpack bin
+ARRAY_DTYPES: dict[Any, np.dtype] = {IntArray: INT_DTYPE, FloatArray: FLOAT_DTYPE}
 FINISH_REASONS = frozenset({"stop", "length", "abort", "error"})
 # A finishing row's speculative decoding counts (the engine's SpecStats.to_dict plus its
 # per-position acceptances); every count a non-negative int.
@@ -69,6 +73,20 @@ def int_array(values: Any) -> np.ndarray:
         return array.astype(INT_DTYPE, copy=False)
     except (TypeError, ValueError, OverflowError) as exc:
         raise MessageError(f"not a 1-D array of int32 values: {exc}") from None
+
+
+def float_array(values: Any) -> np.ndarray:
+    """`values` (numbers or a float array) as a 1-D little-endian float32 array; no copy when
+    it already is one. MessageError for anything else."""
+    if isinstance(values, np.ndarray) and values.dtype == FLOAT_DTYPE and values.ndim == 1:
+        return values
+    try:
+        array = np.asarray(values, dtype=FLOAT_DTYPE)
+    except (TypeError, ValueError) as exc:
+        raise MessageError(f"not a 1-D array of float32 values: {exc}") from None
+    if array.ndim != 1:
+        raise MessageError(f"not a 1-D array of float32 values: {array.ndim}-D")
+    return array
 
 
 def _coerce_arrays(message: Any, *names: str) -> None:
@@ -120,6 +138,52 @@ class Reservation:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """Prompt logprobs (vLLM's `prompt_logprobs`), compact: row i is prompt position i + 1
+    (the first prompt token has none), its token's logprob under the model given the tokens
+    before it, that token's rank (1: the most likely) and the `top_k` most likely tokens with
+    their logprobs, most likely first (`top_ids` and `top_logprobs` hold rows x top_k)."""
+
+    top_k: int
+    logprobs: FloatArray
+    ranks: IntArray
+    top_ids: IntArray
+    top_logprobs: FloatArray
+
+    def __post_init__(self) -> None:
+        _coerce_arrays(self, "ranks", "top_ids")
+        for name in ("logprobs", "top_logprobs"):
+            object.__setattr__(self, name, float_array(getattr(self, name)))
+        rows, k = len(self.logprobs), self.top_k
+        if k < 0 or len(self.ranks) != rows or len(self.top_ids) != len(self.top_logprobs):
+            raise MessageError(
+                f"PromptLogprobs: {rows} logprobs, {len(self.ranks)} ranks, top_k {k}"
+            )
+        if len(self.top_ids) != rows * k:
+            raise MessageError(f"PromptLogprobs: {len(self.top_ids)} top ids for {rows} x {k}")
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.logprobs)
+
+    @classmethod
+    def join(cls, parts: list[PromptLogprobs], top_k: int) -> PromptLogprobs:
+        """The rows of `parts`, in order (each one chunk of a prompt); none: zero rows."""
+
+        def cat(name: str, dtype: np.dtype) -> np.ndarray:
+            arrays = [getattr(p, name) for p in parts]
+            return np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
+
+        return cls(
+            top_k,
+            cat("logprobs", FLOAT_DTYPE),
+            cat("ranks", INT_DTYPE),
+            cat("top_ids", INT_DTYPE),
+            cat("top_logprobs", FLOAT_DTYPE),
+        )
+
+
+@dataclass(frozen=True)
 class FirstToken:
     request_id: str
     token_id: int
@@ -129,6 +193,7 @@ class FirstToken:
     finish_reason: str | None
     num_cached_tokens: int
     timing: dict[str, float]  # durations in seconds measured by the prefill node
+    prompt_logprobs: PromptLogprobs | None = None  # when the sampling params asked
 
 
 @dataclass(slots=True)
@@ -144,6 +209,7 @@ class TokenOutput:
     timing: dict[str, float] | None  # decode-side durations, sent with the first output
     index: int = 0  # the sample (choice) of an n > 1 request; `finished` is about this one
     spec_decode: dict[str, Any] | None = None  # this sample's counts, on its finishing output
+    prompt_logprobs: PromptLogprobs | None = None  # the request's, with its first output
 
 
 @dataclass(frozen=True)
@@ -165,6 +231,8 @@ class TokenBatch:
     # Per row: a speculating sample's counts (`SPEC_DECODE_KEYS`), on its finishing row only;
     # None when no row carries any
     spec_decode: list[dict[str, Any] | None] | None = None
+    # By request id, sent with its first row (colocated: the node prefilled the prompt)
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _coerce_arrays(self, "token_ids")
@@ -192,10 +260,11 @@ class TokenBatch:
         specs = self.spec_decode or [None] * len(ids)
         out, reported = [], set()
         for i, rid in enumerate(self.request_ids):
-            timing = None
+            timing = prompt = None
             if rid not in reported:  # the report goes with the request's first row only
                 reported.add(rid)
                 timing = self.timing.get(rid)
+                prompt = self.prompt_logprobs.get(rid)
             out.append(
                 TokenOutput(
                     rid,
@@ -207,6 +276,7 @@ class TokenBatch:
                     timing,
                     indices[i],
                     specs[i],
+                    prompt,
                 )
             )
         return out
@@ -275,17 +345,24 @@ Message = typing.Union[tuple(MESSAGES.values())]  # noqa: UP007
 
 def encode(message: Any) -> bytes:
     """One frame: a map of the message's fields (shallow: no dataclasses.asdict deep copy);
-    IntArrays go as the raw bytes of their int32 buffer."""
+    arrays go as the raw bytes of their buffer."""
     names = _field_names(type(message))
     body: dict[str, Any] = {"type": type(message).__name__}
     for name in names:
-        value = getattr(message, name)
-        if isinstance(value, np.ndarray):
-            value = value.data
-        elif isinstance(value, SamplingParams):
-            value = vars(value)  # flat: its lists and tuples pack as msgpack arrays
-        body[name] = value
+        body[name] = _wire(getattr(message, name))
     return SIGNER.sign(msgpack.packb(body, use_bin_type=True))
+
+
+def _wire(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.data
+    if isinstance(value, SamplingParams):
+        return vars(value)  # flat: its lists and tuples pack as msgpack arrays
+    if isinstance(value, PromptLogprobs):
+        return {name: _wire(v) for name, v in vars(value).items()}
+    if type(value) is dict and value and isinstance(next(iter(value.values())), PromptLogprobs):
+        return {key: _wire(v) for key, v in value.items()}  # TokenBatch.prompt_logprobs
+    return value
 
 
 def decode(frame: bytes) -> Any:
@@ -360,10 +437,13 @@ def _checks(cls: type) -> tuple[dict[str, Check], frozenset[str]]:
     return _CHECKS[cls]
 
 
-def _check_bytes_array(value: Any) -> tuple[bool, Any]:
-    if not isinstance(value, bytes) or len(value) % INT_DTYPE.itemsize:
-        return False, value
-    return True, np.frombuffer(value, dtype=INT_DTYPE)
+def _check_bytes_array(dtype: np.dtype) -> Check:
+    def check(value: Any) -> tuple[bool, Any]:
+        if not isinstance(value, bytes) or len(value) % dtype.itemsize:
+            return False, value
+        return True, np.frombuffer(value, dtype=dtype)
+
+    return check
 
 
 def _check_nested(cls: type) -> Check:
@@ -378,10 +458,31 @@ def _check_nested(cls: type) -> Check:
 
 
 def _check_for(hint: Any) -> Check:
-    if hint is IntArray:
-        return _check_bytes_array
+    if hint in ARRAY_DTYPES:
+        return _check_bytes_array(ARRAY_DTYPES[hint])
     if dataclasses.is_dataclass(hint):
         return _check_nested(hint)
+    args = typing.get_args(hint)
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        (inner,) = (a for a in args if a is not type(None))
+        if inner in ARRAY_DTYPES or dataclasses.is_dataclass(inner):
+            check = _check_for(inner)
+            return lambda value: (True, None) if value is None else check(value)
+    if origin is dict and dataclasses.is_dataclass(args[1]):
+        nested = _check_nested(args[1])
+
+        def check_map(value: Any) -> tuple[bool, Any]:
+            if type(value) is not dict or not all(type(k) is str for k in value):
+                return False, value
+            out = {}
+            for key, item in value.items():
+                ok, out[key] = nested(item)
+                if not ok:
+                    return False, value
+            return True, out
+
+        return check_map
     test = _predicate(hint)
     return lambda value: (test(value), value)
 

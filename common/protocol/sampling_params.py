@@ -30,6 +30,8 @@ class SamplingParams:
 
     `top_k <= 0` disables top-k; `top_p == 1` and `min_p == 0` disable those filters.
     `logprobs=N` returns the sampled token's logprob and the N most likely tokens.
+    `prompt_logprobs=K` returns, for every prompt token but the first, its logprob, its rank
+    and the K most likely tokens (computed by whoever prefills, from the raw logits).
     `stop` strings are matched on decoded text by whoever detokenizes (LLM or router).
     `structured` constrains the output to a grammar (`common.engine.logits_processors`):
     `{"type": "json_object"}` or `{"type": "json_schema", "schema": "<JSON text>"}`.
@@ -53,6 +55,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     structured: dict[str, Any] | None = None
     logit_bias: list[tuple[int, float]] | None = None
 
@@ -105,6 +108,8 @@ class SamplingParams:
             raise bad("seed", self.seed, "a 64-bit signed integer")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", self.logprobs, f"in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise bad("prompt_logprobs", self.prompt_logprobs, f"in [0, {MAX_LOGPROBS}]")
         if any(not isinstance(t, int) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "token ids (int32, >= 0)")
         if any(not isinstance(s, str) or not s for s in self.stop):
