@@ -369,9 +369,13 @@ class Worker:
                 f"prompt has {len(ids)} tokens; the context limit is {rt.max_model_len}"
             )
         self.runner.logits_processors.check(params)  # a grammar that cannot compile fails here
-        if params.prompt_logprobs is not None and self.tp.size > 1:
-            # The vocabulary-parallel head would need every rank in each projection.
-            raise ValueError(f"prompt_logprobs are not supported on a node with tp={self.tp.size}")
+        if params.prompt_logprobs is not None and self.config.world_size > 1:
+            # The vocabulary-parallel head would need every rank in each projection; with
+            # pipeline stages the LM head is on the last one, not on rank 0.
+            raise ValueError(
+                f"prompt_logprobs are not supported on a node with tp={self.config.tp}, "
+                f"pp={self.config.pp}"
+            )
         return Sequence(
             request_id,
             ids.tolist(),
