@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from benchmarks.spec_oracle import OracleProposer
 from common.engine.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
-from common.engine.model_runner import StepHandle
+from common.engine.step_handle import StepHandle
 from common.protocol.sampling_params import SamplingParams
 from tests.tiny_models import TINY_SHAPE
 

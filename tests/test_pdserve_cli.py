@@ -191,12 +191,27 @@ def test_tensor_parallel_pools_get_one_gpu_per_rank():
     assert "--prefill-tp" in serve_help() and "--decode-tp" in serve_help()
 
 
+def test_pipelined_pools_get_one_gpu_per_stage_and_rank():
+    p = plan(parse("--prefill-pp", "2", "--prefill-tp", "2", "--decode-tp", "1"), "/m", "m", 5)
+    prefill, decode = p.nodes
+    assert device_of(prefill) == "cuda:0,1,2,3" and prefill.ranks == 4
+    assert prefill.argv[prefill.argv.index("--pp") + 1] == "2"
+    assert device_of(decode) == "cuda:4" and "--pp" not in decode.argv
+    assert "--prefill-pp" in serve_help() and "--decode-pp-layer-partition" in serve_help()
+
+
 @pytest.mark.parametrize(
     "argv,gpus,needle",
     [
         (["--prefill-tp", "2", "--decode-tp", "2"], 3, r"2 prefill \+ 2 decode GPUs needed"),
         (["--decode-tp", "2", "--decode-gpus", "1"], 4, "need 2"),
         (["--tp", "0"], 4, "tp must be >= 1"),
+        (["--prefill-pp", "2", "--prefill-tp", "2"], 4, r"4 prefill \+ 1 decode GPUs needed"),
+        (
+            ["--prefill-pp", "2", "--prefill-gpus", "0"],
+            4,
+            r"--prefill-tp 1 x --prefill-pp 2 need 2",
+        ),
     ],
 )
 def test_too_few_gpus_for_the_ranks_is_a_clear_error(argv, gpus, needle):

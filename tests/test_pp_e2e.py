@@ -3,14 +3,16 @@
 
 - PD `--prefill-pp 2` (layers 1 + 2, explicit partition) into one decode pool: each stage ships
   its own layers (zmq frames naming the model's layer numbers);
+- PD `--prefill-pp 2` into `--decode-tp 2`: decode rank 0 writes its head of each stage's
+  frames and hands the other to its rank;
 - PD `--prefill-pp 2 --prefill-tp 2` into `--decode-tp 2` (cuda_ipc, which on CPU sends frames):
   four prefill senders, each one stage's layers of one KV head;
 - colocated `--pp 2`: prefill chunks pipelined, decode steps synchronous.
 
 Each gives the text of the single-process engine and frees every block on every node. A stage
-killed while it holds a prompt's prefill ends that request with an error, frees the decode
-node's reservation, leaves none of the prefill node's processes behind, and `--restart-nodes`
-brings the node back.
+holding a prompt's prefill: an abort frees both nodes' blocks; a kill ends the request with an
+error, frees the decode node's reservation, leaves none of the prefill node's processes, and
+`--restart-nodes` brings the node back.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ PROMPTS = [list(range(100, 140)), [42, 43, 44]]
 NEW_TOKENS = 8
 LAYOUTS = {
     "P_pp2-D_tp1": ("--prefill-pp", "2", "--prefill-pp-layer-partition", "1,2"),
+    "P_pp2-D_tp2": ("--prefill-pp", "2", "--decode-tp", "2"),
     "P_pp2xtp2-D_tp2-cuda_ipc": (
         "--prefill-pp", "2", "--prefill-tp", "2", "--decode-tp", "2", "--transport", "cuda_ipc",
     ),
@@ -110,26 +113,37 @@ def stage_pids(node_pid: int) -> list[int]:
     return out
 
 
-def test_a_stage_killed_mid_prefill_fails_its_request_and_leaks_nothing(model_dir, tmp_path):
-    """Stage 1 is stopped (SIGSTOP) before the request comes, so its prefill is held there
-    with the decode node's blocks reserved; then it is killed."""
+def test_an_abort_and_a_killed_stage_mid_prefill_leak_nothing(model_dir, tmp_path):
+    """Stage 1 is stopped (SIGSTOP) before a request comes, so its prefill is held there with
+    the decode node's blocks reserved. First the client gives up: the router aborts the
+    request on both nodes; once stage 1 goes on, every block is free on both and the node
+    serves again. Then, stopped again under a second request, stage 1 is killed: that request
+    ends with an error, the decode node's reservation is freed, none of the prefill node's
+    processes is left, and `--restart-nodes` brings the node back."""
     stack = PDStack("--model", str(model_dir), *LAYOUTS["P_pp2-D_tp1"], *LAUNCH,
                     "--heartbeat-timeout", "2", "--restart-nodes",
                     log_path=tmp_path / "launch.log")  # fmt: skip
     try:
-        prefill = stack.node("prefill")
-        node_pid = prefill["info"]["pid"]
+        node_pid = stack.node("prefill")["info"]["pid"]
         (stage,) = stage_pids(node_pid)
+        decode_used = lambda: stack.node("decode")["load"]["used_blocks"]  # noqa: E731
+
+        os.kill(stage, signal.SIGSTOP)
+        with pytest.raises(httpx.TimeoutException):
+            completion(stack.url, PROMPTS[0], timeout=2)  # reserved by then, then abandoned
+        stack.wait_for(lambda: decode_used() == 0, "the abort to free the decode reservation")
+        os.kill(stage, signal.SIGCONT)
+        all_blocks_freed(stack)
+        r = completion(stack.url, PROMPTS[1])
+        assert r.status_code == 200, r.text
+
         os.kill(stage, signal.SIGSTOP)
         result: dict[str, httpx.Response] = {}
         client = threading.Thread(
             target=lambda: result.update(r=completion(stack.url, PROMPTS[0], timeout=60))
         )
         client.start()
-        stack.wait_for(
-            lambda: stack.node("decode")["load"]["used_blocks"] > 0,
-            "the decode node to reserve the prompt's blocks",
-        )
+        stack.wait_for(lambda: decode_used() > 0, "the decode node to reserve the prompt's blocks")
         os.kill(stage, signal.SIGKILL)
         client.join(60)
         assert not client.is_alive()
@@ -137,10 +151,7 @@ def test_a_stage_killed_mid_prefill_fails_its_request_and_leaks_nothing(model_di
         assert "error" in result["r"].json()
         for pid, what in ((stage, "the stage"), (node_pid, "the prefill node")):
             stack.wait_for(lambda pid=pid: not alive(pid), f"{what} to exit")
-        stack.wait_for(
-            lambda: stack.node("decode")["load"]["used_blocks"] == 0,
-            "the decode node's reservation freed",
-        )
+        stack.wait_for(lambda: decode_used() == 0, "the decode node's reservation freed")
         stack.wait_for(
             lambda: any(
                 n["role"] == "prefill" and n["info"]["pid"] != node_pid and n["healthy"]

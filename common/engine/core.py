@@ -35,10 +35,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from common.engine.model_runner import StepHandle
 from common.engine.scheduler import SampledToken, ScheduledBatch, Scheduler
 from common.engine.sequence import PLACEHOLDER, FinishReason, Sequence
 from common.engine.spec_decode.proposer import Proposer
+from common.engine.step_handle import StepHandle
 from common.engine.worker import Worker
 
 log = logging.getLogger(__name__)

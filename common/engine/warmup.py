@@ -41,9 +41,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.engine.cuda_graphs import capture_sizes
-from common.engine.model_runner import StepHandle
 from common.engine.scheduler import ScheduledBatch, ScheduledSeq
 from common.engine.sequence import Sequence
+from common.engine.step_handle import StepHandle
 from common.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
