@@ -16,6 +16,7 @@ import json
 import re
 import secrets
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -225,6 +226,17 @@ def test_every_command_line_is_accepted_by_pdserve_itself(variant, monkeypatch):
         else:
             node, engine = parse_node_args(role, rest)
             assert node.control_address.startswith("tcp://10.1.2.3:")
+
+
+@pytest.mark.parametrize(("role", "own_flag"), [("router", "--events-address"),
+                                              ("decode", "--kv-address")])  # fmt: skip
+def test_pdserve_role_commands_run_that_role(role, own_flag):
+    """What the pods run: `pdserve ROLE` is `python -m MODULE` (its flags, its exit codes)."""
+    run = [sys.executable, "-m", "pdserve", role]
+    shown = subprocess.run([*run, "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert shown.returncode == 0 and own_flag in shown.stdout, shown.stderr
+    refused = subprocess.run([*run, "--no-such-flag"], capture_output=True, text=True, cwd=ROOT)
+    assert refused.returncode == 2 and "--no-such-flag" in refused.stderr
 
 
 def test_nodes_reach_the_router_through_a_service_published_before_it_is_ready(variant):
