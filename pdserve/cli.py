@@ -4,10 +4,13 @@ hub id from the local Hugging Face cache, a GGUF converted to the serving dtype)
 Errors in flags or in the model name end with one line and exit code 2 before any process
 starts; `pdserve serve --help` lists every launcher, engine/node and router flag.
 `pdserve plan [MODEL] [flags]` recommends a layout and its flags (`pdserve/planner/`).
+`pdserve router|prefill|decode [flags]` is one process of that role, exactly `python -m router`,
+`prefill_node` or `decode_node` (what a container of one role runs; `--help` lists its flags).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
@@ -15,10 +18,15 @@ from common.engine.config import EngineConfig
 from pdserve.flags import build_parser
 
 USAGE_ERROR = 2
+ROLE_MODULES = {"router": "router", "prefill": "prefill_node", "decode": "decode_node"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ROLE_MODULES:
+        run_role(argv[0], argv[1:])
     parser = build_parser()
+    parser.epilog = "pdserve router|prefill|decode [flags]: one process of that role"
     args = parser.parse_args(argv)
     if args.command == "plan":
         return plan_command(args)
@@ -56,6 +64,13 @@ def plan_command(args) -> int:
     except ValueError as exc:
         args.plan_parser.error(str(exc))
     return USAGE_ERROR  # not reached: error() exits
+
+
+def run_role(role: str, argv: list[str]) -> None:
+    """Replace this process with `python -m MODULE ARGV`: same pid (a container's main process
+    keeps receiving its signals), flags, exit codes and multiprocessing start-up as that
+    command."""
+    os.execv(sys.executable, [sys.executable, "-m", ROLE_MODULES[role], *argv])
 
 
 def check_parallel(source, engines: list[EngineConfig]) -> None:
