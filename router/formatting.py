@@ -103,7 +103,7 @@ class ResponseFormatter:
     def _choice(self, whole: Delta) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": whole.index}
         if self.kind == "chat":
-            message: dict[str, Any] = {"role": "assistant", "content": whole.text}
+            message: dict[str, Any] = {"role": "assistant", "content": whole.text, "refusal": None}
             if whole.tool_calls:
                 message["content"] = whole.text if whole.text.strip() else None
                 message["tool_calls"] = [
@@ -124,7 +124,7 @@ class ResponseFormatter:
 
     def _logprobs(self, pieces: list[TokenPiece], index: int) -> dict[str, Any]:
         if self.kind == "chat":
-            return {"content": [self._chat_entry(p) for p in pieces]}
+            return {"content": [self._chat_entry(p) for p in pieces], "refusal": None}
         tokens, offsets = [], []
         offset = self._text_offset.get(index, 0)
         for piece in pieces:

@@ -94,7 +94,7 @@ def test_chat_completion_returns_text_usage_and_timing(make, answer_ids):
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     assert body["model"] == "smol"
     (choice,) = body["choices"]
-    assert choice["message"] == {"role": "assistant", "content": ANSWER}
+    assert choice["message"] == {"role": "assistant", "content": ANSWER, "refusal": None}
     assert choice["finish_reason"] == "stop"
     prompt_len = len(link.sent_of(DecodeRequest)[0][1].prompt_token_ids)
     assert body["usage"] == {

@@ -98,7 +98,8 @@ def test_chat_logprobs_follow_openai_shape():
                     {"token": "c", "logprob": -1.5, "bytes": [99]},
                 ],
             }
-        ]
+        ],
+        "refusal": None,
     }
 
 
@@ -125,7 +126,7 @@ def test_non_streaming_bodies():
     assert body["choices"] == [
         {
             "index": 0,
-            "message": {"role": "assistant", "content": "hi"},
+            "message": {"role": "assistant", "content": "hi", "refusal": None},
             "logprobs": None,
             "finish_reason": "length",
         }
