@@ -12,6 +12,7 @@ _TYPES = {
     401: "invalid_request_error",
     404: "not_found_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     499: "client_closed_request",
     500: "server_error",

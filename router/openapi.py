@@ -41,6 +41,7 @@ ERRORS = {
     401: "Missing or wrong API key",
     404: "The model is not served",
     413: "The body exceeds --max-request-body-bytes",
+    415: "The body is sent as another media type than JSON",
     429: "Too many requests waiting for a node; retry after Retry-After seconds",
     500: "Internal error",
     503: "No healthy prefill/decode path, or a node failed",
@@ -48,10 +49,10 @@ ERRORS = {
 }
 # Which errors each path answers, besides 401 (API key) and 500 (any).
 PATH_ERRORS = {
-    "/v1/chat/completions": (400, 404, 413, 429, 503, 504),
-    "/v1/completions": (400, 404, 413, 429, 503, 504),
-    "/tokenize": (400, 404, 413),
-    "/detokenize": (400, 404, 413),
+    "/v1/chat/completions": (400, 404, 413, 415, 429, 503, 504),
+    "/v1/completions": (400, 404, 413, 415, 429, 503, 504),
+    "/tokenize": (400, 404, 413, 415),
+    "/detokenize": (400, 404, 413, 415),
 }
 # Before OpenAPI 3.2 the schema of an event stream is that of each event.
 EVENT = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}

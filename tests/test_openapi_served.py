@@ -14,21 +14,29 @@ an assistant message. Invalid bodies are sent as generated.
 from __future__ import annotations
 
 import json
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import jinja2
 import pytest
 import schemathesis
+from fastapi.testclient import TestClient
 from schemathesis.engine import Status, events, from_schema
 from schemathesis.generation import GenerationMode
 
 from benchmarks.stack import same_python_env
 from common.protocol.structured import check_structured
+from router.app import create_app
+from router.config import RouterConfig
 from tests.pd_stack import PDStack
+from tests.router_fakes import LoopbackNodes
 
 VOCAB = 49152  # the embedded SmolLM2's vocabulary (and its tokenizer's length)
 MAX_TOKENS = 2
 GENERATION = ("/v1/chat/completions", "/v1/completions")
+P, D = "tcp://127.0.0.1:5601", "tcp://127.0.0.1:5701"
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +62,12 @@ def _compiles(schema: Any) -> bool:
     return True
 
 
-def _template_renders(template: str) -> bool:
+def _template_renders(template: str, messages: list[dict[str, Any]]) -> bool:
+    """Renders, and to some text: an empty prompt is a 400."""
     try:
-        jinja2.Environment().from_string(template).render(messages=[])
+        return bool(jinja2.Environment().from_string(template).render(messages=messages))
     except Exception:
         return False
-    return True
 
 
 def _arguments(call: dict[str, Any]) -> None:
@@ -81,7 +89,10 @@ def _chat(body: dict[str, Any]) -> None:
     messages = body.get("messages") or [{}]
     if body.get("continue_final_message") and messages[-1].get("role") != "assistant":
         body["continue_final_message"] = False
-    if isinstance(body.get("chat_template"), str) and not _template_renders(body["chat_template"]):
+    if body.get("continue_final_message"):  # the template must render the message it continues
+        body.pop("chat_template", None)
+    template = body.get("chat_template")
+    if isinstance(template, str) and not _template_renders(template, body["messages"]):
         del body["chat_template"]
     tools = body.get("tools") or []
     forced = body.get("tool_choice") not in (None, "none", "auto")
@@ -94,9 +105,9 @@ def _chat(body: dict[str, Any]) -> None:
 
 
 def _generation(body: dict[str, Any]) -> None:
-    for field in ("max_tokens", "max_completion_tokens"):
-        if body.get(field) is not None:
-            body[field] = min(body[field], MAX_TOKENS)
+    for name in ("max_tokens", "max_completion_tokens"):
+        if body.get(name) is not None:
+            body[name] = min(body[name], MAX_TOKENS)
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = MAX_TOKENS
     limit = body.get("max_completion_tokens")  # chat: it wins over max_tokens
@@ -106,7 +117,7 @@ def _generation(body: dict[str, Any]) -> None:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
         body["prompt"] = [[t % VOCAB for t in prompt[0]]]
-    elif isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+    elif isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):  # ids, 2.0 too
         body["prompt"] = [t % VOCAB for t in prompt]
     if body.get("stop_token_ids"):
         body["stop_token_ids"] = [t % VOCAB for t in body["stop_token_ids"]]
@@ -130,8 +141,14 @@ def within_deployment(path: str, body: Any) -> None:
         body["tokens"] = [t % VOCAB for t in body.get("tokens") or ()]
 
 
-def failures(url: str) -> list[str]:
-    """What `schemathesis run URL/openapi.json -c all` reports, one line per failure."""
+@dataclass
+class Run:
+    failures: list[str] = field(default_factory=list)  # one entry per failed check or error
+    statuses: Counter[tuple[str, int]] = field(default_factory=Counter)  # (operation, status)
+
+
+def run_schemathesis(url: str) -> Run:
+    """What `schemathesis run URL/openapi.json -c all` runs, deterministic and CI-sized."""
     config = schemathesis.Config()
     project = config.projects.override
     project.checks.update(included_check_names=["all"])
@@ -139,40 +156,80 @@ def failures(url: str) -> list[str]:
     schema = schemathesis.openapi.from_url(f"{url}/openapi.json", config=config)
 
     @schema.hook
-    def before_call(context, case, kwargs) -> None:
+    def map_case(context, case):
         if case.meta is not None and case.meta.generation.mode == GenerationMode.POSITIVE:
             within_deployment(case.path, case.body)
+        return case
 
-    found = []
+    run = Run()
     for event in from_schema(schema).execute():
-        if isinstance(event, (events.NonFatalError, events.FatalError)):
-            found.append(f"error: {event.info.format()}" if hasattr(event, "info") else "error")
-        if isinstance(event, events.ScenarioFinished):
+        if isinstance(event, events.NonFatalError):
+            run.failures.append(f"error: {event.info.format()}")
+        elif isinstance(event, events.FatalError):
+            run.failures.append(f"fatal: {event.exception!r}")
+        elif isinstance(event, events.ScenarioFinished):
+            for interaction in event.recorder.interactions.values():
+                if interaction.response is not None:
+                    run.statuses[event.label, interaction.response.status_code] += 1
             for checks in event.recorder.checks.values():
                 for check in checks:
                     if check.status == Status.FAILURE and check.failure_info is not None:
                         info = check.failure_info
-                        found.append(f"{event.label}: {info.failure.title}\n{info.code_sample}")
-    return sorted(set(found))
+                        run.failures.append(
+                            f"{event.label}: {info.failure.title}\n{info.code_sample}"
+                        )
+    return run
 
 
 def test_schemathesis_with_every_check_finds_nothing(stack):
-    found = failures(stack.url)
-    assert found == [], "\n\n".join(found)
+    run = run_schemathesis(stack.url)
+    assert run.failures == [], "\n\n".join(sorted(set(run.failures)))
+    # It ran: valid requests were served by the node, invalid ones refused.
+    for operation in ("POST /v1/chat/completions", "POST /v1/completions"):
+        assert run.statuses[operation, 200] >= 20 and run.statuses[operation, 400] >= 20
+    assert run.statuses["TRACE /health", 405] >= 1
+
+
+def test_a_wrong_method_is_a_405_naming_the_allowed_ones(stack):
+    response = httpx.request("DELETE", stack.url + "/v1/completions")
+    assert response.status_code == 405 and response.headers["allow"] == "POST"
+    assert response.json()["error"]["message"] == "Method Not Allowed"
 
 
 def test_the_document_declares_the_errors_and_the_metrics_format(stack):
-    import httpx
-
     document = httpx.get(stack.url + "/openapi.json").json()
     chat = document["paths"]["/v1/chat/completions"]["post"]
-    assert {"400", "404", "413", "429", "500", "503", "504"} <= set(chat["responses"])
+    declared = {"200", "400", "404", "413", "415", "429", "500", "503", "504"}
+    assert set(chat["responses"]) == declared
     error = chat["responses"]["400"]["content"]["application/json"]["schema"]
     assert error == {"$ref": "#/components/schemas/ErrorResponse"}
     assert "Retry-After" in chat["responses"]["429"]["headers"]
-    assert list(document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == [
-        "text/plain"
-    ]
+    metrics = document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert list(metrics) == ["text/plain"]
     body = document["components"]["schemas"]["ChatCompletionRequest"]
-    assert body["properties"]["messages"]["minItems"] == 1
-    assert body["required"] == ["messages"]
+    assert body["properties"]["messages"]["minItems"] == 1 and body["required"] == ["messages"]
+    assert "security" not in chat  # no --api-key
+
+
+def test_with_an_api_key_the_document_declares_it_and_the_401(source, tokenizer):
+    config = RouterConfig(prefill=(P,), decode=(D,), api_key="sk-test")
+    app = create_app(config, source=source, tokenizer=tokenizer, link=LoopbackNodes())
+    document = app.openapi()
+    assert document["components"]["securitySchemes"] == {
+        "bearer": {"type": "http", "scheme": "bearer"}
+    }
+    paths = document["paths"]
+    for path, method in [("/v1/completions", "post"), ("/v1/models", "get"), ("/tokenize", "post")]:
+        assert paths[path][method]["security"] == [{"bearer": []}]
+        assert "WWW-Authenticate" in paths[path][method]["responses"]["401"]["headers"]
+    assert "security" not in paths["/health"]["get"]  # open unless --auth-all-endpoints
+
+
+@pytest.mark.parametrize("media", ["text/plain", "application/x-www-form-urlencoded"])
+def test_a_body_sent_as_another_media_type_than_json_is_a_415(source, tokenizer, media):
+    config = RouterConfig(prefill=(P,), decode=(D,))
+    app = create_app(config, source=source, tokenizer=tokenizer, link=LoopbackNodes())
+    with TestClient(app) as client:
+        body = json.dumps({"prompt": "hi", "max_tokens": 1})
+        response = client.post("/v1/completions", content=body, headers={"content-type": media})
+    assert response.status_code == 415 and media in response.json()["error"]["message"]
