@@ -27,7 +27,7 @@ from router.core import RouterCore
 from router.errors import OpenAIError, error_body, from_validation_errors
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.node_link import NodeLink, ZmqNodeLink
-from router.openapi import document_request_bodies
+from router.openapi import install_openapi
 from router.serving import GenerationHandler
 from router.stats import log_stats_forever
 from router.tokens import add_token_routes
@@ -80,7 +80,7 @@ def create_app(
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.core = core
     gateway.install(app, config)
-    document_request_bodies(app)
+    install_openapi(app, config)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
@@ -92,7 +92,9 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), exc.status_code)
+        # Starlette's 405 carries `Allow` (RFC 9110 requires it): keep the exception's headers.
+        body = error_body(exc.status_code, str(exc.detail))
+        return JSONResponse(body, exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -138,7 +140,7 @@ def create_app(
         }
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
         core.refresh_gauges()
         return PlainTextResponse(core.metrics.render(), media_type=CONTENT_TYPE)

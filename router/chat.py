@@ -12,7 +12,7 @@ from typing import Any
 
 from common.text.tokenizer import apply_chat_template
 from router.errors import invalid
-from router.protocol import ChatCompletionRequest, ChatMessage, Tool
+from router.protocol import ChatCompletionRequest, ChatMessage, TextPart, Tool
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
@@ -69,7 +69,7 @@ def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
         )
     out: dict[str, Any] = {
         "role": "system" if role == "developer" else role,
-        "content": _text(index, message.content),
+        "content": _text(message.content),
     }
     if message.name is not None:
         out["name"] = message.name
@@ -96,20 +96,12 @@ def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def _text(index: int, content: str | list[dict[str, Any]] | None) -> str:
+def _text(content: str | list[TextPart] | None) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    texts = []
-    for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise invalid(
-                f"messages[{index}].content: only text parts are supported, got {part.get('type')!r}",
-                "messages",
-            )
-        texts.append(part["text"])
-    return "\n".join(texts)
+    return "\n".join(part.text for part in content)
 
 
 def _arguments(index: int, arguments: str | dict[str, Any]) -> dict[str, Any]:

@@ -5,18 +5,33 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 _TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
     404: "not_found_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     499: "client_closed_request",
     500: "server_error",
     503: "service_unavailable_error",
     504: "timeout_error",
 }
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error, as OpenAI's document defines it (`/openapi.json` shows it)."""
+
+    error: ErrorDetail
 
 
 def error_body(
@@ -66,6 +81,10 @@ def from_validation_errors(errors: list[dict[str, Any]]) -> OpenAIError:
     for error in errors[:3]:
         loc = [str(p) for p in error.get("loc", ()) if p not in ("body",)]
         where = ".".join(loc)
-        parts.append(f"{where}: {error.get('msg')}" if where else str(error.get("msg")))
+        message = str(error.get("msg"))
+        value = error.get("input")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            message += f", got {value!r}"  # a number out of range: name it
+        parts.append(f"{where}: {message}" if where else message)
     first = [str(p) for p in errors[0].get("loc", ()) if p != "body"]
     return invalid("; ".join(parts), param=first[0] if first else None)

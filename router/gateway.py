@@ -1,5 +1,5 @@
 """What the HTTP front door enforces before a request reaches an endpoint: the API key, the
-body size limit and CORS. Plain ASGI middleware, so streamed responses pass through untouched.
+body size limit, the body's media type and CORS. Plain ASGI middleware, so streamed responses pass through untouched.
 
 - `--api-key` (or PDSERVE_API_KEY): `/v1/*`, `/tokenize` and `/detokenize` need
   `Authorization: Bearer KEY`, else a 401 in the OpenAI error shape; `/health`, `/metrics` and
@@ -8,6 +8,9 @@ body size limit and CORS. Plain ASGI middleware, so streamed responses pass thro
   outside this one.
 - `--max-request-body-bytes`: a larger body is a 413, whether it announces its length or not.
   The body is read here (up to the limit) and replayed to the endpoint.
+- A body sent as another media type than JSON (`Content-Type` given, not `application/json` or
+  `*/*+json`) is a 415, as `/openapi.json` declares; a body without `Content-Type` is read as
+  JSON.
 - `--allowed-origins` etc.: Starlette's CORSMiddleware, off when no origin is allowed.
 """
 
@@ -24,6 +27,7 @@ from router.config import RouterConfig
 from router.errors import error_body
 
 PROTECTED = ("/v1/", "/tokenize", "/detokenize")  # the rest (/health, /metrics, /version) is open
+BODY_METHODS = ("POST", "PUT", "PATCH")
 
 
 async def _send_error(send: Send, status: int, message: str, code: str | None, **headers: str):
@@ -68,7 +72,7 @@ class BodyLimitMiddleware:
         self.limit = limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
+        if scope["type"] != "http" or scope.get("method") not in BODY_METHODS:
             await self.app(scope, receive, send)
             return
         declared = dict(scope.get("headers") or ()).get(b"content-length")
@@ -96,6 +100,21 @@ class BodyLimitMiddleware:
         )
 
 
+class JsonBodyMiddleware:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("method") in BODY_METHODS:
+            given = dict(scope.get("headers") or ()).get(b"content-type")
+            media = (given or b"").split(b";", 1)[0].strip().lower()
+            if given is not None and media != b"application/json" and not media.endswith(b"+json"):
+                message = f"Content-Type must be application/json, got {given.decode('latin-1')!r}"
+                await _send_error(send, 415, message, "unsupported_media_type")
+                return
+        await self.app(scope, receive, send)
+
+
 def _replay(body: bytes, receive: Receive) -> Receive:
     """The buffered body first, then whatever the client sends next (its disconnect)."""
     sent = False
@@ -111,8 +130,9 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 def install(app: FastAPI, config: RouterConfig) -> None:
-    """Add the layers, innermost first: body limit, API key, then CORS outermost (so that a
-    preflight, which carries no key, is answered, and errors carry CORS headers)."""
+    """Add the layers, innermost first: media type, body limit, API key, then CORS outermost
+    (so that a preflight, which carries no key, is answered, and errors carry CORS headers)."""
+    app.add_middleware(JsonBodyMiddleware)
     app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_bytes)
     if config.api_key:
         app.add_middleware(

@@ -85,7 +85,7 @@ class GenerationHandler:
         try:
             parsed = schema.model_validate_json(body)
         except ValidationError as exc:
-            errors = exc.errors(include_url=False, include_input=False, include_context=False)
+            errors = exc.errors(include_url=False, include_context=False)
             raise from_validation_errors(list(errors)) from None
         check_model(parsed.model, self.model_names)
         structured = parsed.response_format is not None or getattr(parsed, "tools", None)

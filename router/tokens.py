@@ -76,5 +76,5 @@ def _parse(schema: type, body: bytes) -> Any:
     try:
         return schema.model_validate_json(body)
     except ValidationError as exc:
-        errors = exc.errors(include_url=False, include_input=False, include_context=False)
+        errors = exc.errors(include_url=False, include_context=False)
         raise from_validation_errors(list(errors)) from None

@@ -71,7 +71,7 @@ BAD_REQUESTS = [
     ("n_zero", CHAT, {"messages": HI, "n": 0}, "n"),
     ("negative_max_tokens", TEXT, {"prompt": "a", "max_tokens": -1}, "max_tokens"),
     ("absurd_max_tokens", TEXT, {"prompt": "a", "max_tokens": 10**12}, "max_tokens"),
-    ("absurd_max_completion_tokens", CHAT, {"messages": HI, "max_completion_tokens": 10**12}, "max_tokens"),
+    ("absurd_max_completion_tokens", CHAT, {"messages": HI, "max_completion_tokens": 10**12}, "max_completion_tokens"),
     ("prompt_plus_max_tokens_too_long", TEXT, {"prompt": [1] * 40, "max_tokens": 30}, "max_tokens"),
     ("prompt_fills_context", TEXT, {"prompt": [1] * 64}, "prompt"),
     ("chat_prompt_too_long", CHAT, {"messages": [{"role": "user", "content": "hi " * 200}]}, "messages"),

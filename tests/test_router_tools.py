@@ -100,7 +100,7 @@ def test_the_shaper_says_tool_calls_when_a_choice_that_stopped_called_a_tool():
 
 
 def plan_of(**body) -> ToolPlan | None:
-    request = ChatCompletionRequest.model_validate({"messages": [], **body})
+    request = ChatCompletionRequest.model_validate({"messages": [{"role": "user"}], **body})
     return plan_tools(request, "hermes")
 
 
