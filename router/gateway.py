@@ -1,5 +1,6 @@
 """What the HTTP front door enforces before a request reaches an endpoint: the API key, the
-body size limit, the body's media type and CORS. Plain ASGI middleware, so streamed responses pass through untouched.
+body size limit, the body's media type and CORS. Plain ASGI middleware, so streamed responses
+pass through untouched.
 
 - `--api-key` (or PDSERVE_API_KEY): `/v1/*`, `/tokenize` and `/detokenize` need
   `Authorization: Bearer KEY`, else a 401 in the OpenAI error shape; `/health`, `/metrics` and

@@ -233,6 +233,11 @@ class _GenerationFields(_Strict):
     structured_outputs: Annotated[None, _unsupported("use response_format")] = None
 
 
+# Continue the last message or open a new one, not both.
+_CONTINUE_OR_OPEN = _if_then(
+    _field_is("continue_final_message", {"const": True}),
+    {"properties": {"add_generation_prompt": {"enum": [False, None]}}},
+)
 _TOOL_FORCED = _field_is("tool_choice", {"anyOf": [{"const": "required"}, {"type": "object"}]})
 _RULES = [
     # top_logprobs needs logprobs
@@ -251,11 +256,7 @@ _RULES = [
             }
         },
     ),
-    # continue the last message or open a new one, not both
-    _if_then(
-        _field_is("continue_final_message", {"const": True}),
-        {"properties": {"add_generation_prompt": {"enum": [False, None]}}},
-    ),
+    _CONTINUE_OR_OPEN,
 ]
 
 
@@ -314,13 +315,14 @@ class CompletionRequest(_GenerationFields):
 
 
 class TokenizeRequest(_Strict):
-    # Exactly one of prompt and messages.
+    # Exactly one of prompt and messages; messages as a chat completion takes them.
     model_config = ConfigDict(
         json_schema_extra={
             "oneOf": [
                 _field_is("prompt", {"type": "string"}),
                 _field_is("messages", {"type": "array"}),
-            ]
+            ],
+            "allOf": [_CONTINUE_OR_OPEN],
         }
     )
 
