@@ -13,21 +13,30 @@ torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
 
 def pytest_collection_modifyitems(config, items):
     """`PDSERVE_TEST_SHARD=i/n` (scripts/run_tests.sh) keeps the test files of shard i of n:
-    whole files, so module fixtures are built once, dealt largest first to the lighter shard
-    (file size stands in for run time)."""
+    whole files, so module fixtures are built once, dealt heaviest first to the lighter shard
+    (file size stands in for run time, plus a share for each stack of processes it starts)."""
     shard = os.environ.get("PDSERVE_TEST_SHARD")
     if not shard:
         return
     index, count = (int(part) for part in shard.split("/"))
     loads = [0] * count
     owner = {}
-    for path in sorted({item.path for item in items}, key=lambda p: (-p.stat().st_size, p)):
+    weights = {path: _weight(path) for path in {item.path for item in items}}
+    for path in sorted(weights, key=lambda p: (-weights[p], p)):
         lightest = loads.index(min(loads))
         owner[path] = lightest
-        loads[lightest] += path.stat().st_size
+        loads[lightest] += weights[path]
     keep = [item for item in items if owner[item.path] == index]
     config.hook.pytest_deselected(items=[item for item in items if owner[item.path] != index])
     items[:] = keep
+
+
+STACK_WEIGHT = 20_000  # bytes of test code that run about as long as starting one stack
+
+
+def _weight(path) -> int:
+    text = path.read_text()
+    return len(text) + STACK_WEIGHT * text.count("PDStack(")
 
 
 @pytest.fixture(scope="session")

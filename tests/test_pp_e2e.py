@@ -2,7 +2,8 @@
 4 query heads and 2 KV heads; one stack per layout):
 
 - PD `--prefill-pp 2` (layers 1 + 2, explicit partition) into one decode pool: each stage ships
-  its own layers (zmq frames naming the model's layer numbers);
+  its own layers (zmq frames naming the model's layer numbers); checked in the failure test,
+  which starts that stack anyway;
 - PD `--prefill-pp 2` into `--decode-tp 2`: decode rank 0 writes its head of each stage's
   frames and hands the other to its rank;
 - PD `--prefill-pp 2 --prefill-tp 2` into `--decode-tp 2` (cuda_ipc, which on CPU sends frames):
@@ -33,8 +34,8 @@ LAUNCH = ("--num-kv-blocks", "64", "--max-num-batched-tokens", "16", "--max-num-
 # 40 tokens: three chunks of at most 16 tokens flow through the stages back to back.
 PROMPTS = [list(range(100, 140)), [42, 43, 44]]
 NEW_TOKENS = 8
+ABORT_LAYOUT = ("--prefill-pp", "2", "--prefill-pp-layer-partition", "1,2")  # P_pp2-D_tp1
 LAYOUTS = {
-    "P_pp2-D_tp1": ("--prefill-pp", "2", "--prefill-pp-layer-partition", "1,2"),
     "P_pp2-D_tp2": ("--prefill-pp", "2", "--decode-tp", "2"),
     "P_pp2xtp2-D_tp2-cuda_ipc": (
         "--prefill-pp", "2", "--prefill-tp", "2", "--decode-tp", "2", "--transport", "cuda_ipc",
@@ -113,18 +114,24 @@ def stage_pids(node_pid: int) -> list[int]:
     return out
 
 
-def test_an_abort_and_a_killed_stage_mid_prefill_leak_nothing(model_dir, tmp_path):
+def test_an_abort_and_a_killed_stage_mid_prefill_leak_nothing(model_dir, expected, tmp_path):
     """Stage 1 is stopped (SIGSTOP) before a request comes, so its prefill is held there with
     the decode node's blocks reserved. First the client gives up: the router aborts the
     request on both nodes; once stage 1 goes on, every block is free on both and the node
     serves again. Then, stopped again under a second request, stage 1 is killed: that request
     ends with an error, the decode node's reservation is freed, none of the prefill node's
     processes is left, and `--restart-nodes` brings the node back."""
-    stack = PDStack("--model", str(model_dir), *LAYOUTS["P_pp2-D_tp1"], *LAUNCH,
+    stack = PDStack("--model", str(model_dir), *ABORT_LAYOUT, *LAUNCH,
                     "--heartbeat-timeout", "2", "--restart-nodes",
                     log_path=tmp_path / "launch.log")  # fmt: skip
     try:
-        node_pid = stack.node("prefill")["info"]["pid"]
+        for prompt, text in zip(PROMPTS, expected, strict=True):  # as one process, first
+            r = completion(stack.url, prompt)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == text, r.text
+        info = stack.node("prefill")["info"]
+        assert (info["pp"], info["pp_layers"]) == (2, [1, 2])
+        all_blocks_freed(stack)
+        node_pid = info["pid"]
         (stage,) = stage_pids(node_pid)
         decode_used = lambda: stack.node("decode")["load"]["used_blocks"]  # noqa: E731
 
