@@ -117,18 +117,7 @@ class EngineCore:
         outputs: list[StepOutput] = []
         launched = None
         if batch:
-            try:
-                if batch.spec_limits:
-                    drafts = self.proposer.propose(batch, batch.spec_limits)
-                    batch.drafts, batch.draft_probs = drafts.token_ids, drafts.probs
-                hook = before_launch(batch) if before_launch is not None else None
-                launched = self.runner.launch(batch, self._in_flight, hook)
-            except Exception as exc:  # a failed step fails its requests, not the loop
-                log.exception("model step of %d requests failed", len(batch.items))
-                outputs.append(StepOutput(batch, error=exc))
-            else:
-                self.scheduler.commit(batch)
-                self.scheduler.hold_frees = True
+            launched = self._launch(batch, before_launch, self._in_flight, outputs)
         if self._in_flight is not None:
             outputs.insert(0, self._resolve(self._in_flight))
         self._in_flight = launched
@@ -154,15 +143,8 @@ class EngineCore:
         else:
             self.worker.allocator.free(held)
         if batch:
-            try:
-                hook = before_launch(batch) if before_launch is not None else None
-                launched = self.runner.launch(batch, None, hook)
-            except Exception as exc:  # a failed step fails its requests, not the loop
-                log.exception("model step of %d requests failed", len(batch.items))
-                outputs.append(StepOutput(batch, error=exc))
-            else:
-                self.scheduler.commit(batch)
-                self.scheduler.hold_frees = True
+            launched = self._launch(batch, before_launch, None, outputs)
+            if launched is not None:
                 self._pipeline.append((launched, []))
         # Launched: keep depth - 1 others in flight. Nothing launched: resolve the oldest, the
         # only way on (the rest wait for its tokens or blocks).
@@ -170,6 +152,30 @@ class EngineCore:
         progressed = batch or batch.preempted or outputs
         self.stalled = not progressed and self.scheduler.has_work()
         return outputs
+
+    def _launch(
+        self,
+        batch: ScheduledBatch,
+        before_launch: BeforeLaunch | None,
+        prev: StepHandle | None,
+        outputs: list[StepOutput],
+    ) -> StepHandle | None:
+        """Draft (when the scheduler allowed it), launch and commit `batch`; None, with its
+        failure appended to `outputs`, when that raised: a failed step fails its requests,
+        not the loop."""
+        try:
+            if batch.spec_limits:
+                drafts = self.proposer.propose(batch, batch.spec_limits)
+                batch.drafts, batch.draft_probs = drafts.token_ids, drafts.probs
+            hook = before_launch(batch) if before_launch is not None else None
+            launched = self.runner.launch(batch, prev, hook)
+        except Exception as exc:
+            log.exception("model step of %d requests failed", len(batch.items))
+            outputs.append(StepOutput(batch, error=exc))
+            return None
+        self.scheduler.commit(batch)
+        self.scheduler.hold_frees = True
+        return launched
 
     def _drain(self, keep: int) -> list[StepOutput]:
         """Resolve the oldest steps in flight until at most `keep` are."""
