@@ -57,6 +57,18 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def rank_pids(node_pid: int) -> list[int]:
+    """A node's rank processes (its multiprocessing spawn children: TP ranks, PP stages)."""
+    out = []
+    for pid in descendants(node_pid):
+        try:
+            if b"spawn_main" in (Path("/proc") / str(pid) / "cmdline").read_bytes():
+                out.append(pid)
+        except OSError:
+            continue
+    return out
+
+
 def alive(pid: int) -> bool:
     try:
         state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]

@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from common import LLM, SamplingParams
-from tests.pd_stack import PDStack, alive, descendants
+from tests.pd_stack import PDStack, alive, rank_pids
 from tests.tiny_models import save_tiny_tool_model
 
 LAUNCH = ("--num-kv-blocks", "64", "--max-num-batched-tokens", "16", "--max-num-seqs", "8")
@@ -102,18 +102,6 @@ def test_greedy_text_equals_one_process_and_every_block_is_freed(
         stop(stack)
 
 
-def stage_pids(node_pid: int) -> list[int]:
-    """A node's other rank processes (multiprocessing spawn children)."""
-    out = []
-    for pid in descendants(node_pid):
-        try:
-            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                out.append(pid)
-        except OSError:
-            continue
-    return out
-
-
 def test_an_abort_and_a_killed_stage_mid_prefill_leak_nothing(model_dir, expected, tmp_path):
     """Stage 1 is stopped (SIGSTOP) before a request comes, so its prefill is held there with
     the decode node's blocks reserved. First the client gives up: the router aborts the
@@ -132,7 +120,7 @@ def test_an_abort_and_a_killed_stage_mid_prefill_leak_nothing(model_dir, expecte
         assert (info["pp"], info["pp_layers"]) == (2, [1, 2])
         all_blocks_freed(stack)
         node_pid = info["pid"]
-        (stage,) = stage_pids(node_pid)
+        (stage,) = rank_pids(node_pid)
         decode_used = lambda: stack.node("decode")["load"]["used_blocks"]  # noqa: E731
 
         os.kill(stage, signal.SIGSTOP)

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from common import LLM, SamplingParams
-from tests.pd_stack import PDStack, alive, descendants
+from tests.pd_stack import PDStack, alive, rank_pids
 from tests.tiny_models import save_tiny_tool_model
 
 LAUNCH = ("--num-kv-blocks", "64", "--max-num-batched-tokens", "256", "--max-num-seqs", "8")
@@ -87,18 +87,6 @@ def test_greedy_text_equals_tp1_and_every_block_is_freed(stack, expected):
     if stack.layout.endswith("cuda_ipc"):  # one warning per sending rank
         senders = 2 if stack.layout.startswith("P_tp2") else 1
         assert stack.log_path.read_text().count("goes as frames through host memory") == senders
-
-
-def rank_pids(node_pid: int) -> list[int]:
-    """A node's tensor-parallel rank processes (multiprocessing spawn children)."""
-    out = []
-    for pid in descendants(node_pid):
-        try:
-            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                out.append(pid)
-        except OSError:
-            continue
-    return out
 
 
 def test_a_dead_rank_takes_its_node_down_and_a_dead_node_its_ranks(stack):

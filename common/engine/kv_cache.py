@@ -100,14 +100,14 @@ class KVCache:
     def context_kwargs(self) -> dict[str, list]:
         """The arguments of every `ForwardContext` over this pool beyond its K/V caches: an MLA
         pool's latent caches; the per-layer scales of an FP8 pool (none in the model dtype)."""
-        skipped = [1.0] * self.first_layer  # indexed by model layer, like the caches
+        k, v = self._scales_by_layer
         if self.is_latent:
             return {"latent_caches": self.latent_caches} | (
-                {"latent_scales": skipped + self.k_scales} if self.is_fp8 else {}
+                {"latent_scales": k} if self.is_fp8 else {}
             )
         if not self.is_fp8:
             return {}
-        return {"k_scales": skipped + self.k_scales, "v_scales": skipped + self.v_scales}
+        return {"k_scales": k, "v_scales": v}
 
     def __post_init__(self) -> None:
         num_layers = self.pool.shape[0]
@@ -120,6 +120,9 @@ class KVCache:
                     f"with {bad[:4]} bad"
                 )
             setattr(self, name, [float(s) for s in scales])
+        # Scales indexed by model layer, like the caches (1.0 for other stages' layers).
+        skipped = [1.0] * self.first_layer
+        self._scales_by_layer = (skipped + self.k_scales, skipped + self.v_scales)
         # Per-layer views, made once: the prefill graphs index them on every layer of a step.
         layers = range(num_layers)
         skipped: list = [None] * self.first_layer  # other pipeline stages' layers

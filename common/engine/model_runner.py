@@ -279,9 +279,7 @@ class ModelRunner:
             return  # a memory probe of a stage's layers: nothing to pass on or sample
         self._pass_on(carry, copy=handle.replay is not None)
         if not h.sample_rows:
-            if self.device.type == "cuda":  # `result` releases the staging slot after it
-                handle._event = torch.cuda.Event()
-                handle._event.record()
+            handle.mark_launched()  # `result` releases the staging slot after stage 0's part
             return
         rows = len(h.logits_indices)
         logits = torch.empty(rows, self.model.spec.vocab_size, dtype=torch.float32,

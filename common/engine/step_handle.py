@@ -42,6 +42,13 @@ class StepHandle:
         # Pipeline stage 0: samples once the last stage's logits arrived (run by `result`).
         self.finish: Callable[[], None] | None = None
 
+    def mark_launched(self) -> None:
+        """A step that samples nothing: `result` waits for what was queued so far before it
+        gives the staging slot back (an event on CUDA; nothing to wait for on CPU)."""
+        if self.replay is not None and self.replay.output.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
     def sampled_row(self) -> dict[str, int]:
         """Request id -> row of `token_ids`."""
         items = self.batch.items
