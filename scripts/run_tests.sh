@@ -1,23 +1,34 @@
 #!/usr/bin/env bash
 # The project's test command (README and .ci/run call this): set up, then run pytest on CPU.
 # With no arguments the whole suite runs as PDSERVE_TEST_JOBS shards (default: one per core,
-# at most 2), each a pytest process over whole test files (tests/conftest.py deals them), with
-# one torch thread each; their logs are printed when all have ended, and the exit status is
-# the first failing shard's. Arguments run one plain pytest with them.
+# at most 2), each a pytest process over whole test files (tests/shards.py deals them by their
+# recorded times), with one torch thread each; their logs are printed when all have ended, and
+# the exit status is the first failing shard's. PDSERVE_RECORD_TEST_TIMES=1 rewrites
+# tests/test_times.json from this run. Arguments run one plain pytest with them.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 python=$("$root/scripts/setup_env.sh")
 cd "$root"
+# lm-eval for tests/test_lm_eval.py: its trimmed set, once per venv (tests/lm_eval_requirements.txt).
+if ! "$python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('lm_eval') is None)"; then
+  "$python" -m pip install --disable-pip-version-check -q --no-deps \
+    -r tests/lm_eval_requirements.txt >&2
+fi
 jobs=${PDSERVE_TEST_JOBS:-$(nproc)}
 jobs=$((jobs > 2 ? 2 : jobs))
 if [ "$#" -gt 0 ] || [ "$jobs" -le 1 ]; then
   exec "$python" -m pytest -q "$@"
 fi
 logs=$(mktemp -d)
+if [ "${PDSERVE_RECORD_TEST_TIMES:-0}" = 1 ]; then
+  export PDSERVE_TEST_TIMES_DIR=$logs/times
+  mkdir "$PDSERVE_TEST_TIMES_DIR"
+fi
 pids=()
 for ((i = 0; i < jobs; i++)); do
-  PDSERVE_TEST_SHARD="$i/$jobs" OMP_NUM_THREADS=1 \
-    "$python" -m pytest -q -p no:cacheprovider >"$logs/$i.log" 2>&1 &
+  mapfile -t files < <("$python" -m tests.shards "$i" "$jobs")
+  OMP_NUM_THREADS=1 "$python" -m pytest -q -p no:cacheprovider "${files[@]}" \
+    >"$logs/$i.log" 2>&1 &
   pids+=($!)
 done
 status=0
@@ -28,5 +39,6 @@ for ((i = 0; i < jobs; i++)); do
   cat "$logs/$i.log"
   [ "$status" -ne 0 ] || status=$rc
 done
+[ -z "${PDSERVE_TEST_TIMES_DIR:-}" ] || "$python" -m tests.shards --merge "$PDSERVE_TEST_TIMES_DIR"
 rm -rf "$logs"
 exit "$status"

@@ -3,7 +3,10 @@ source and tokenizer for the router tests."""
 
 from __future__ import annotations
 
+import json
 import os
+import resource
+import time
 
 import pytest
 import torch
@@ -11,32 +14,41 @@ import torch
 torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
 
 
-def pytest_collection_modifyitems(config, items):
-    """`PDSERVE_TEST_SHARD=i/n` (scripts/run_tests.sh) keeps the test files of shard i of n:
-    whole files, so module fixtures are built once, dealt heaviest first to the lighter shard
-    (file size stands in for run time, plus a share for each stack of processes it starts)."""
-    shard = os.environ.get("PDSERVE_TEST_SHARD")
-    if not shard:
-        return
-    index, count = (int(part) for part in shard.split("/"))
-    loads = [0] * count
-    owner = {}
-    weights = {path: _weight(path) for path in {item.path for item in items}}
-    for path in sorted(weights, key=lambda p: (-weights[p], p)):
-        lightest = loads.index(min(loads))
-        owner[path] = lightest
-        loads[lightest] += weights[path]
-    keep = [item for item in items if owner[item.path] == index]
-    config.hook.pytest_deselected(items=[item for item in items if owner[item.path] != index])
-    items[:] = keep
+class TimeRecorder:
+    """With PDSERVE_TEST_TIMES_DIR set (scripts/run_tests.sh, on request), each test file's wall
+    seconds and CPU seconds (this process and the children it waited for: a stack's processes
+    count once the launcher has been reaped) go to DIR/<pid>.json, which `python -m
+    tests.shards --merge DIR` folds into tests/test_times.json, the weights shards are dealt by."""
+
+    def __init__(self, directory: str) -> None:
+        self.path = os.path.join(directory, f"{os.getpid()}.json")
+        self.files: dict[str, dict[str, float]] = {}
+
+    @staticmethod
+    def _cpu() -> float:
+        self_, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
+            resource.RUSAGE_CHILDREN
+        )
+        return sum(r.ru_utime + r.ru_stime for r in (self_, children))
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item):
+        wall, cpu = time.monotonic(), self._cpu()
+        yield
+        times = self.files.setdefault(item.nodeid.split("::")[0], {"wall_s": 0.0, "cpu_s": 0.0})
+        times["wall_s"] += time.monotonic() - wall
+        times["cpu_s"] += self._cpu() - cpu
+
+    def pytest_sessionfinish(self):
+        rounded = {f: {k: round(v, 1) for k, v in t.items()} for f, t in self.files.items()}
+        with open(self.path, "w") as out:
+            json.dump(rounded, out, indent=1)
 
 
-STACK_WEIGHT = 20_000  # bytes of test code that run about as long as starting one stack
-
-
-def _weight(path) -> int:
-    text = path.read_text()
-    return len(text) + STACK_WEIGHT * text.count("PDStack(")
+def pytest_configure(config):
+    directory = os.environ.get("PDSERVE_TEST_TIMES_DIR")
+    if directory:
+        config.pluginmanager.register(TimeRecorder(directory), "pdserve-test-times")
 
 
 @pytest.fixture(scope="session")

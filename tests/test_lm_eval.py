@@ -3,9 +3,9 @@ the two tasks of benchmarks/lm_eval (a loglikelihood one, which sends `echo: tru
 and a generate_until one) on the embedded model, and lm-eval's own `hf` backend on the same
 weights in fp32 scores them the same; `local-chat-completions` runs the generate_until task.
 
-lm-eval and what it pulls (datasets, pyarrow, pandas, scikit-learn, ...: about 620 MB and one to
-two minutes to install) are not in the `test` extra, so without them this file skips. To run it:
-    .venv/bin/python -m pip install -e '.[lmeval]'
+scripts/run_tests.sh installs lm-eval with the few packages this path imports
+(tests/lm_eval_requirements.txt, ~10 s); a plain pytest without it skips this file. Users install
+the whole of it: `pip install -e '.[lmeval]'`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from benchmarks.lm_eval.compare import (
 from benchmarks.stack import same_python_env
 from tests.pd_stack import ROOT, PDStack
 
-pytest.importorskip("lm_eval", reason="lm-eval is not installed: pip install -e '.[lmeval]'")
+pytest.importorskip("lm_eval", reason="lm-eval is not installed: scripts/run_tests.sh installs it")
 
 ROWS = 20  # benchmarks/lm_eval/capitals.jsonl
 # Both sides run fp32 with different kernels and summation orders; tests/test_prompt_logprobs_e2e.py

@@ -23,7 +23,6 @@ from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from common.model.attention.base import AttentionMetadata, LatentProjection
 from common.model.quantization.fp8_ops import FP8
@@ -129,6 +128,9 @@ def dense_causal_attention(
         pad_values = PAD_VALUES_ON_CUDA and query.is_cuda
     if pad_values and dv < keys.shape[2]:
         values = F.pad(values, (0, keys.shape[2] - dv))
+    # Imported here: torch.nn.attention.bias pulls in torch._dynamo, ~1 s of every node's start.
+    from torch.nn.attention.bias import causal_lower_right
+
     out = F.scaled_dot_product_attention(
         query[None], keys[None], values[None], attn_mask=causal_lower_right(n, context),
         scale=scale,
