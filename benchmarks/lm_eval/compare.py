@@ -2,11 +2,11 @@
 and pdserve colocated through lm-eval's `local-completions` model, and lm-eval's own `hf`
 backend on the same weights in fp32; also `local-chat-completions` on the generate_until task.
 Prints the scores and, against hf, the largest per-sample loglikelihood gap and the number of
-generations that differ; `--out` writes all of it, every sample included, as JSON.
-tests/test_lm_eval.py runs the same functions on a PD stack. Needs lm-eval, which the `test`
-extra leaves out: pip install -e '.[lmeval]'.
+generations that differ; `--out` writes all of it, every sample included, as JSON. `--fp8` adds
+PD and colocated runs with FP8 weights and KV cache. tests/test_lm_eval.py runs the same
+functions on a PD stack. Needs lm-eval: pip install -e '.[lmeval]'.
 
-    python benchmarks/lm_eval/compare.py [--out docs/bench/lm_eval_cpu.json]
+    python benchmarks/lm_eval/compare.py [--fp8] [--out docs/bench/lm_eval_cpu.json]
 """
 
 from __future__ import annotations
@@ -144,9 +144,17 @@ def _pdserve_runs(mode: str, stack_args: list[str], model_dir: Path, manager: An
     return completions, chat
 
 
+# FP8 as a user asks for it from a high-precision checkpoint: weights quantized at load (per
+# channel, dynamic per-token activations) and an e4m3 KV cache; on CPU the dequantizing paths.
+FP8_ARGS = ["--quantization", "fp8", "--kv-cache-dtype", "fp8"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=None, help="JSON with scores and every sample")
+    ap.add_argument(
+        "--fp8", action="store_true", help="also PD and colocated with FP8 weights and KV cache"
+    )
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))  # run as a script: the repository's packages
     os.chdir(ROOT)
@@ -163,9 +171,17 @@ def main() -> None:
         hf = evaluate("hf", hf_args(model_dir), [MC, GEN], manager, batch_size=HF_BATCH_SIZE)
         pd, chat = _pdserve_runs("pd", [], model_dir, manager, tmp)
         colocated, _ = _pdserve_runs("colocated", ["--colocated"], model_dir, manager, tmp)
+        fp8 = {}
+        if args.fp8:
+            fp8["PD"], _ = _pdserve_runs("pd-fp8", FP8_ARGS, model_dir, manager, tmp)
+            colocated_fp8 = ["--colocated", *FP8_ARGS]
+            fp8["colocated"], _ = _pdserve_runs(
+                "colocated-fp8", colocated_fp8, model_dir, manager, tmp
+            )
     rows = {
         "pdserve PD, local-completions": summary(pd, hf),
         "pdserve colocated, local-completions": summary(colocated, hf),
+        **{f"pdserve {mode}, FP8 W8A8 + FP8 KV": summary(out, hf) for mode, out in fp8.items()},
         "lm-eval hf, fp32": summary(hf, None),
         "pdserve PD, local-chat-completions": summary(chat, None),
     }
