@@ -9,6 +9,7 @@ checkpoint.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -74,8 +75,18 @@ def materialize_gguf(gguf_path: Path, dtype: str = "float32") -> Path:
     target = cached_hf_dir(gguf_path, dtype)
     if (target / "config.json").exists():
         return target
-    float32 = cached_hf_dir(gguf_path, "float32")
     target.parent.mkdir(parents=True, exist_ok=True)
+    # One conversion at a time per target: the nodes of a stack (and test processes) that start
+    # together would otherwise each spend the tens of seconds; the others wait, then load it.
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "config.json").exists():
+            _materialize(gguf_path, target, dtype)
+    return target
+
+
+def _materialize(gguf_path: Path, target: Path, dtype: str) -> None:
+    float32 = cached_hf_dir(gguf_path, "float32")
     # Write into a temporary sibling and rename, so concurrent processes never see half a dir.
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
     try:
@@ -89,7 +100,6 @@ def materialize_gguf(gguf_path: Path, dtype: str = "float32") -> Path:
             raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 def _convert(gguf_path: Path, folder: Path, dtype: str) -> None:

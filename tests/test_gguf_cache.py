@@ -1,0 +1,41 @@
+"""The GGUF conversion cache under concurrency: a process that finds another converting the same
+file waits on its lock and then loads that conversion instead of converting again (the nodes
+of a stack start together; each conversion of the embedded model takes ~15 s)."""
+
+from __future__ import annotations
+
+import fcntl
+import threading
+import time
+from pathlib import Path
+
+from common.model import gguf_cache
+
+
+def blocked_flock_waiters() -> int:
+    return sum(
+        "->" in line and "FLOCK" in line for line in Path("/proc/locks").read_text().splitlines()
+    )
+
+
+def test_a_second_converter_waits_for_the_first_and_converts_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF not really")  # never parsed: the conversion is already there
+    target = gguf_cache.cached_hf_dir(gguf)
+    target.parent.mkdir(parents=True)
+    before = blocked_flock_waiters()
+    result: list[Path] = []
+    with open(target.parent / f".{target.name}.lock", "w") as lock:  # "the first converter"
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        waiter = threading.Thread(target=lambda: result.append(gguf_cache.materialize_gguf(gguf)))
+        waiter.start()
+        deadline = time.monotonic() + 60  # a hang guard, not a speed bound
+        while blocked_flock_waiters() == before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert blocked_flock_waiters() > before, "the second converter did not wait on the lock"
+        target.mkdir()
+        (target / "config.json").write_text("{}")  # the first converter's result lands
+    waiter.join(timeout=60)
+    assert result == [target]
+    assert sorted(p.name for p in target.iterdir()) == ["config.json"]  # nothing converted again
