@@ -9,10 +9,13 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 python=$("$root/scripts/setup_env.sh")
 cd "$root"
-# lm-eval for tests/test_lm_eval.py: its trimmed set, once per venv (tests/lm_eval_requirements.txt).
-if ! "$python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('lm_eval') is None)"; then
+# lm-eval for tests/test_lm_eval.py: its trimmed set (tests/lm_eval_requirements.txt), again
+# only when that list changed.
+lm_eval_stamp=$(dirname "$(dirname "$python")")/.pdserve-lm-eval-installed
+if [ ! -f "$lm_eval_stamp" ] || [ tests/lm_eval_requirements.txt -nt "$lm_eval_stamp" ]; then
   "$python" -m pip install --disable-pip-version-check -q --no-compile --no-deps \
     -r tests/lm_eval_requirements.txt >&2
+  touch "$lm_eval_stamp"
 fi
 jobs=${PDSERVE_TEST_JOBS:-$(nproc)}
 jobs=$((jobs > 2 ? 2 : jobs))

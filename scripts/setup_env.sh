@@ -7,8 +7,6 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${PDSERVE_VENV:-$root/.venv}
 python=${PYTHON:-python3}
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
-# --no-compile: byte-compiling every installed file (transformers alone is thousands) is a third
-# of the install's time; Python compiles the modules it imports, once, when it imports them.
 # --no-compile: byte-compiling every installed file (transformers alone has thousands) costs a
 # third of the install; Python compiles what it imports, once, on the first import.
 install=("$venv/bin/python" -m pip --disable-pip-version-check install -q --no-compile)

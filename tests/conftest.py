@@ -26,10 +26,10 @@ class TimeRecorder:
 
     @staticmethod
     def _cpu() -> float:
-        self_, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
-            resource.RUSAGE_CHILDREN
+        usage = (
+            resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
         )
-        return sum(r.ru_utime + r.ru_stime for r in (self_, children))
+        return sum(u.ru_utime + u.ru_stime for u in usage)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item):
