@@ -31,10 +31,12 @@ def _free(port: int) -> bool:
 
 
 def pick_ports() -> tuple[int, int]:
-    """An HTTP port and a ZMQ base port whose +0..+210 range is free."""
+    """An HTTP port and a ZMQ base port whose +0..+210 range is free. Below Linux's ephemeral
+    range (32768 up): a port free now but in that range can be handed to another process's
+    outgoing connection before the stack binds it."""
     rng = random.Random(os.getpid() * 7919 + time.time_ns())
     while True:
-        base = rng.randrange(20000, 40000, 10)
+        base = rng.randrange(20000, 32400, 10)
         if all(_free(base + k) for k in (0, 1, 2, 101, 102, 201, 202)) and _free(base + 300):
             return base + 300, base
 
