@@ -87,7 +87,8 @@ def materialize_gguf(gguf_path: Path, dtype: str = "float32") -> Path:
 
 def _materialize(gguf_path: Path, target: Path, dtype: str) -> None:
     float32 = cached_hf_dir(gguf_path, "float32")
-    # Write into a temporary sibling and rename, so concurrent processes never see half a dir.
+    # Write into a temporary sibling and rename: a process checking for config.json without
+    # the lock (materialize_gguf's fast path) never sees half a directory.
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
     try:
         if dtype != "float32" and (float32 / "config.json").exists():
@@ -95,9 +96,6 @@ def _materialize(gguf_path: Path, target: Path, dtype: str) -> None:
         else:
             _convert(gguf_path, staging, dtype)
         os.replace(staging, target)
-    except OSError:
-        if not (target / "config.json").exists():
-            raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
