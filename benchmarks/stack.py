@@ -30,6 +30,13 @@ def _free(port: int) -> bool:
     return True
 
 
+PORT_ATTEMPTS = 3
+
+
+class PortTaken(RuntimeError):
+    """The stack exited at start-up because a port it was given had been taken meanwhile."""
+
+
 def pick_ports() -> tuple[int, int]:
     """An HTTP port and a ZMQ base port whose +0..+210 range is free. Below Linux's ephemeral
     range (32768 up): a port free now but in that range can be handed to another process's
@@ -124,9 +131,23 @@ class PDStack:
         start_timeout_s: float = START_TIMEOUT_S,
         env: dict[str, str] | None = None,
     ) -> None:
+        self.log_path = log_path
+        # Ports are checked free, then bound seconds later, once the nodes have loaded their
+        # weights; a stack starting beside this one in that window can take one of them. The
+        # stack that binds second exits naming the port, and starts again on other ports.
+        for attempt in range(PORT_ATTEMPTS):
+            self._launch(args, env)
+            try:
+                self._wait_ready(start_timeout_s)
+                break
+            except PortTaken:
+                if attempt == PORT_ATTEMPTS - 1:
+                    raise
+        self.pids = descendants(self.proc.pid)
+
+    def _launch(self, args: tuple[str, ...], env: dict[str, str] | None) -> None:
         self.port, self.base = pick_ports()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
         cmd = [
             "bash",
             str(ROOT / "scripts/launch_pd.sh"),
@@ -136,7 +157,7 @@ class PDStack:
             str(self.base),
             *args,
         ]
-        self.log = open(log_path, "w")
+        self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             cmd,
             stdout=self.log,
@@ -145,8 +166,6 @@ class PDStack:
             start_new_session=True,
             env=env,
         )
-        self._wait_ready(start_timeout_s)
-        self.pids = descendants(self.proc.pid)
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -155,9 +174,10 @@ class PDStack:
             if "pdserve is serving" in text:
                 return
             if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"launch_pd.sh exited with {self.proc.returncode}:\n{text[-4000:]}"
-                )
+                self.log.close()
+                taken = "Address already in use" in text or ") is in use (" in text
+                error = PortTaken if taken else RuntimeError
+                raise error(f"launch_pd.sh exited with {self.proc.returncode}:\n{text[-4000:]}")
             time.sleep(0.3)
         self.stop()
         raise RuntimeError("the stack did not become healthy in time")
