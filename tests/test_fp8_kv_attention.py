@@ -199,6 +199,47 @@ def test_triton_decode_on_fp8_matches_torch_and_dequantized_fp32(splits, dtype):
     )
 
 
+@pytest.mark.parametrize("fp16_products", [True, False])
+def test_a_bf16_query_on_fp8_meets_the_dequantized_fp32_in_either_product_dtype(fp16_products):
+    """bf16 q runs the products in fp16 by default (hardware e4m3 -> fp16); bf16 products are
+    the other way, kept for benchmarks. Both meet the same fp32 definition."""
+    seq_lens, q_lens = [1, 16, 33, 150], [1, 17, 5, 30]
+    q, k, v, kc, vc, md = fp8_batch([1] * 4, seq_lens, 8, 2, 64, torch.bfloat16)
+    fused_ops.write_kv(k, v, kc, vc, md.slot_mapping, K_SCALE, V_SCALE)
+    out = torch.full_like(q, float("nan"))
+    scratch = DecodeScratch.allocate(4, 8, 4, 64, q.device)
+    paged_decode_attention(
+        q, kc, vc, out, md.seq_lens, md.block_tables, 0.125, scratch, 32,
+        k_scale=K_SCALE, v_scale=V_SCALE, fp16_products=fp16_products,
+    )  # fmt: skip
+    exact = dequantized_attention(q, kc, vc, md, 0.125)
+    torch.testing.assert_close(out.float(), exact, **TOL[torch.bfloat16])
+    q, k, v, kc, vc, md = fp8_batch(q_lens, [1, 17, 33, 70], 4, 2, 64, torch.bfloat16)
+    fused_ops.write_kv(k, v, kc, vc, md.slot_mapping, K_SCALE, V_SCALE)
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention(
+        q, kc, vc, out, md.query_start_loc, md.seq_lens, md.block_tables, md.max_query_len,
+        0.125, k_scale=K_SCALE, v_scale=V_SCALE, fp16_products=fp16_products,
+    )  # fmt: skip
+    exact = dequantized_attention(q, kc, vc, md, 0.125)
+    torch.testing.assert_close(out.float(), exact, **TOL[torch.bfloat16])
+
+
+def test_a_bf16_query_beyond_the_fp16_range_is_clamped_not_turned_into_nan():
+    q, k, v, kc, vc, md = fp8_batch([1, 1], [20, 40], 4, 2, 32, torch.bfloat16)
+    fused_ops.write_kv(k, v, kc, vc, md.slot_mapping, K_SCALE, V_SCALE)
+    q[:, 0, 0] = 1e6  # bf16 holds it, fp16 would make it inf
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(
+        q, kc, vc, out, md.seq_lens, md.block_tables, 1e-6, None, k_scale=K_SCALE,
+        v_scale=V_SCALE,
+    )  # fmt: skip
+    clamped = q.float().clamp(-65504, 65504)
+    exact = dequantized_attention(clamped, kc, vc, md, 1e-6)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out.float(), exact, **TOL[torch.bfloat16])
+
+
 def test_forward_context_hands_each_layer_its_scales_to_the_triton_backend():
     q, k, v, kc, vc, md = fp8_batch([1, 1], [20, 300], 4, 2, 32, torch.float32)
     caches = [(kc.clone(), vc.clone()) for _ in range(2)]

@@ -18,10 +18,14 @@ fp32 inputs use `input_precision="ieee"` (no tf32), so fp32 matches the torch re
 
 FP8 KV: a float8_e4m3fn cache holds `clamp(x / scale, -448, 448)` (round to nearest even; see
 `fused_ops.write_kv`) with one scale per layer for K and one for V, and reads as `stored * scale`.
-The kernels convert K and V tiles to q's dtype in registers (exact: every e4m3 value is a bf16,
-fp16 and fp32 value) and apply the scales outside the products: `k_scale` joins the softmax
-scale, `v_scale` multiplies the fp32 accumulator once. The scales are host floats fixed for
-the process, so captured graphs keep them. Non-FP8 caches ignore the scales.
+The kernels convert K and V tiles to the products' dtype in registers (exact: every e4m3 value is
+a bf16, fp16 and fp32 value) and apply the scales outside the products: `k_scale` joins the
+softmax scale, `v_scale` multiplies the fp32 accumulator once. The scales are host floats fixed
+for the process, so captured graphs keep them. Non-FP8 caches ignore the scales. With a bf16 q
+the products run in fp16, q clamped to fp16's range: Hopper converts two e4m3 values to fp16 in
+one instruction (`cvt.rn.f16x2.e4m3x2`) but has none to bf16, and Triton's bf16 path goes
+through fp16 and fp32, which left the FP8 decode kernel at 1.4 TB/s on an H200. fp16 keeps
+three more mantissa bits than bf16 for q and P; an fp32 q keeps fp32 products.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ LOG2E = math.log2(math.e)
 # reduce cost more than the parallelism gains.
 MIN_KEYS_PER_SPLIT = 128
 MAX_DECODE_SPLITS = 64
+DECODE_STAGES = 3  # pipelined K/V tiles of a decode program (head_dim <= 128)
 
 
 # fmt: off
@@ -100,6 +105,18 @@ def _attend(
     return acc, m_i, l_i
 
 
+@triton.jit
+def _product_q(q, k_cache_ptr, KV_FP8: tl.constexpr, FP16_PRODUCTS: tl.constexpr):
+    """q in the dtype of both products; `_attend` widens K and V tiles to it. A bf16 or fp16
+    cache: the cache's dtype. FP8: q's own dtype, or with FP16_PRODUCTS fp16, clamped to its
+    range (a bf16 q beyond 65504 would become inf)."""
+    if not KV_FP8:
+        q = q.to(k_cache_ptr.dtype.element_ty)
+    elif FP16_PRODUCTS:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return q
+
+
 # fmt: off
 @triton.jit
 def _prefill_kernel(
@@ -107,7 +124,7 @@ def _prefill_kernel(
     scale_log2, v_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
     stride_bt, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, FP16_PRODUCTS: tl.constexpr,
 ):
     # fmt: on
     """Grid (kv_heads, cdiv(max_query_len, BLOCK_Q), num_seqs): BLOCK_Q tokens x GROUP heads."""
@@ -135,8 +152,7 @@ def _prefill_kernel(
         mask=io_mask,
         other=0.0,
     )
-    if not KV_FP8:
-        q = q.to(k_cache_ptr.dtype.element_ty)
+    q = _product_q(q, k_cache_ptr, KV_FP8, FP16_PRODUCTS)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -175,7 +191,7 @@ def _decode_kernel(
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, KV_FP8: tl.constexpr,
-    GROUPED: tl.constexpr,
+    GROUPED: tl.constexpr, FP16_PRODUCTS: tl.constexpr,
 ):
     # fmt: on
     """Grid (num_rows, kv_heads, num_splits). The sequence length comes from device memory.
@@ -224,8 +240,7 @@ def _decode_kernel(
         mask=row_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
-    if not KV_FP8:
-        q = q.to(k_cache_ptr.dtype.element_ty)
+    q = _product_q(q, k_cache_ptr, KV_FP8, FP16_PRODUCTS)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -328,6 +343,34 @@ def decode_num_splits(
     return 1 << (limit.bit_length() - 1)
 
 
+def decode_block_n(
+    block_d: int, block_m: int, kv_fp8: bool, programs: int, device: torch.device
+) -> int:
+    """Keys per tile of a decode program. On an H200 (`bench_attention.py`, 28/4 heads of 128):
+    128 keys won for FP8 caches at every batch (b128, 8k keys: 466 us a call against 581 at
+    64), and for bf16 while the programs are fewer than two per SM (b1, b32: up to x1.27); with
+    more (b128) bf16 lost at 128 (575 against 488 us). Wide heads and multi-row tiles (a verify
+    step's grouped rows) keep the smaller tiles: their registers and shared memory are full."""
+    if block_d > 128:
+        return 32
+    if block_m > 16 or not _tiles_fit(device, DECODE_STAGES, 128, block_d, 1 if kv_fp8 else 2):
+        return 64
+    return 128 if kv_fp8 or programs < 2 * _num_sms(device) else 64
+
+
+@functools.lru_cache(maxsize=8)
+def _shared_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    return 227 * 1024  # an H100 / H200, so interpreted runs choose what a GPU would
+
+
+def _tiles_fit(device: torch.device, stages: int, block_n: int, block_d: int, itemsize: int) -> bool:
+    """Whether `stages` pipelined K and V tiles of block_n keys fit in shared memory, with 16 KB
+    left for the rest of the program (GPUs before Hopper have 100-164 KB against its 227)."""
+    return stages * 2 * block_n * block_d * itemsize + 16 * 1024 <= _shared_bytes(device)
+
+
 def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
     if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
         raise ValueError(
@@ -346,6 +389,14 @@ def _kv_fp8(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float, v_scal
     if not (k_scale > 0 and v_scale > 0):
         raise ValueError(f"FP8 KV scales must be positive, got k_scale={k_scale}, v_scale={v_scale}")
     return True
+
+
+def _fp16_products(q: torch.Tensor, kv_fp8: bool, override: bool | None) -> bool:
+    """Whether an FP8 cache's products run in fp16: by default when q is bf16 (module
+    docstring); fp32 q keeps fp32 products. `override` is for benchmarks and tests."""
+    if not kv_fp8:
+        return False
+    return q.dtype == torch.bfloat16 if override is None else override
 
 
 def _check_q(q: torch.Tensor, k_cache: torch.Tensor) -> int:
@@ -371,15 +422,18 @@ def paged_prefill_attention(
     block_n: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    fp16_products: bool | None = None,
 ) -> None:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
     Writes `out` rows `query_start_loc[0]:query_start_loc[-1]`; other rows are left alone.
     The new tokens' K/V must already be in the cache. `block_n` overrides the key tile (tests).
-    `k_scale`/`v_scale` dequantize an FP8 cache (module docstring).
+    `k_scale`/`v_scale` dequantize an FP8 cache, `fp16_products` overrides how (module
+    docstring).
     """
     group = _check_q(q, k_cache)
     kv_fp8 = _kv_fp8(k_cache, v_cache, k_scale, v_scale)
+    fp16 = _fp16_products(q, kv_fp8, fp16_products)
     num_seqs = query_start_loc.shape[0] - 1
     if num_seqs == 0 or max_query_len == 0:
         return
@@ -391,7 +445,10 @@ def paged_prefill_attention(
     rows_wanted = min(64, triton.next_power_of_2(max_query_len * group))
     block_m = max(16, triton.next_power_of_2(group), rows_wanted)
     block_q = block_m // group
-    block_n = block_n or (64 if block_d <= 128 else 32)
+    # FP8 tiles are half the bytes: 128 keys a tile beat 64 on an H200 at 2k and 8k tokens
+    # (`bench_attention.py`); bf16 stays at 64, which beat 128 there.
+    wide_fp8 = kv_fp8 and _tiles_fit(q.device, 2, 128, block_d, 1)
+    block_n = block_n or (32 if block_d > 128 else 128 if wide_fp8 else 64)
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                *_cache_strides(k_cache, v_cache), block_tables.stride(0))  # fmt: skip
     grid = (k_cache.shape[2], triton.cdiv(max_query_len, block_q), num_seqs)
@@ -399,7 +456,7 @@ def paged_prefill_attention(
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale_log2, v_scale,
         *strides, GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, PAGE_SIZE=k_cache.shape[1],
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, KV_FP8=kv_fp8,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, KV_FP8=kv_fp8, FP16_PRODUCTS=fp16,
         num_warps=4 if block_d <= 128 else 8, num_stages=2,
     )  # fmt: skip
 
@@ -418,6 +475,9 @@ def paged_decode_attention(
     v_scale: float = 1.0,
     groups: torch.Tensor | None = None,
     rows_max: int = 1,
+    fp16_products: bool | None = None,
+    num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> None:
     """One query token per row: row i of q and out attends to the first `seq_lens[i]` keys of
     `block_tables[i]`.
@@ -425,7 +485,8 @@ def paged_decode_attention(
     Every host-side value comes from tensor shapes (and the fixed scales), so this is CUDA-graph
     capturable: the split count is `scratch`'s (1 when None), lengths are read on the device, a
     sequence of length 0 gets a zero row. `block_n` overrides the key tile (tests).
-    `k_scale`/`v_scale` dequantize an FP8 cache (module docstring).
+    `k_scale`/`v_scale` dequantize an FP8 cache, `fp16_products` overrides how (module
+    docstring). `num_warps`/`num_stages` override the launch (benchmarks).
 
     `groups` ([>= rows] int32, device) with `rows_max` > 1 reads each run of rows sharing a
     block table once (`_decode_kernel`, GROUPED): `groups[i]` = n in 1..rows_max where a run
@@ -438,6 +499,7 @@ def paged_decode_attention(
         raise ValueError(f"rows_max must be >= 1, got {rows_max}")
     group = _check_q(q, k_cache)
     kv_fp8 = _kv_fp8(k_cache, v_cache, k_scale, v_scale)
+    fp16 = _fp16_products(q, kv_fp8, fp16_products)
     num_seqs, num_heads, head_dim = q.shape
     if num_seqs == 0:
         return
@@ -452,18 +514,21 @@ def paged_decode_attention(
     if scratch is not None and tuple(scratch.max_log2.shape[:2]) != (num_seqs, num_heads):
         raise ValueError(f"scratch {tuple(scratch.max_log2.shape)} does not fit q {tuple(q.shape)}")
     block_d = triton.next_power_of_2(head_dim)
-    block_n = block_n or (64 if block_d <= 128 else 32)
+    # A run's rows x GROUP heads share one tile (16 rows at least: the smallest dot).
+    block_m = max(16, triton.next_power_of_2(group * (rows_max if grouped else 1)))
+    programs = num_seqs * k_cache.shape[2] * num_splits
+    block_n = block_n or decode_block_n(block_d, block_m, kv_fp8, programs, q.device)
+    num_stages = num_stages or (DECODE_STAGES if block_d <= 128 else 2)
     parts = (out, out, out) if scratch is None else (scratch.max_log2, scratch.sum_exp, scratch.acc)
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                *_cache_strides(k_cache, v_cache), block_tables.stride(0))  # fmt: skip
     scale_log2 = scale * LOG2E * k_scale if kv_fp8 else scale * LOG2E
-    # A run's rows x GROUP heads share one tile (16 rows at least: the smallest dot).
-    block_m = max(16, triton.next_power_of_2(group * (rows_max if grouped else 1)))
     _decode_kernel[(num_seqs, k_cache.shape[2], num_splits)](
         q, k_cache, v_cache, out, *parts, seq_lens, block_tables, groups if grouped else seq_lens,
         scale_log2, v_scale, *strides, GROUP=group, BLOCK_M=block_m, PAGE_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, SINGLE_SPLIT=num_splits == 1,
-        KV_FP8=kv_fp8, GROUPED=grouped, num_warps=4, num_stages=3 if block_d <= 128 else 2,
+        KV_FP8=kv_fp8, GROUPED=grouped, FP16_PRODUCTS=fp16, num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
