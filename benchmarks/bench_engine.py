@@ -85,6 +85,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         enable_prefix_caching=False,
         kv_cache_dtype=args.kv_cache_dtype,
     )
+    if args.prefill_graph_max_tokens is not None:
+        options["prefill_graph_max_tokens"] = args.prefill_graph_max_tokens
     return options
 
 
@@ -264,6 +266,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="device time per kernel (torch.profiler): decode at batch 1 and the "
                     "largest, prefill up to 2048 tokens")  # fmt: skip
     ap.add_argument("--prefill-lengths", type=int, nargs="+", default=[128, 512, 2048, 8192])
+    ap.add_argument("--prefill-graph-max-tokens", type=int,
+                    help="the engine's flag (default: the engine's default)")  # fmt: skip
     ap.add_argument("--requests", type=int, default=256, help="offline workload size")
     ap.add_argument("--prompt-range", type=int, nargs=2, default=[100, 1024])
     ap.add_argument("--output-range", type=int, nargs=2, default=[100, 1024])

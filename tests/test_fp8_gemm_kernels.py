@@ -180,7 +180,7 @@ def test_decode_quantization_then_channel_kernel_equals_the_row_path_and_referen
         quantize = functools.partial(fp8_quant.quantize_fp8, x, token)
     wq, ws = ops.quantize_weight_per_channel(w)
     ws = ws.reshape(-1)
-    assert fp8_quant.default_token_path(m) == "partials"
+    assert fp8_quant.default_token_path(m, k) == "partials"
     outs = []
     for act in (quantize(), quantize(token_path="row")):
         outs.append(kern.w8a8_channel_mm(act.data, act.scale, wq, ws, torch.bfloat16))
@@ -227,7 +227,7 @@ def test_benchmark_smoke_run_checks_every_triton_candidate(tmp_path):
     assert all(r["status"] == "ok" and r["max_rel_err"] < report["tol"] for r in rows)
     assert report["models"]["tiny"]["per_m"]["1"]["bf16"]["eager_ms"] > 0
     alone = [r for r in report["detail"] if r["candidate"].startswith(("quant[", "silu["))]
-    assert len(alone) == 6 * 5 * 2  # three paths x (quantize, silu), five linears, two M
+    assert len(alone) == 8 * 5 * 2  # four paths x (quantize, silu), five linears, two M
     assert all(r["status"] == "ok" and r["max_rel_err"] == 0 for r in alone)  # the same codes
     errors = {}
     for r in report["detail"]:

@@ -182,17 +182,26 @@ def test_every_per_token_path_gives_the_fp8_ops_bits(path, silu, m, n):
         assert torch.all(got.scale[2] == MIN_SCALE)  # the all-zero row: the floor, not NaN
 
 
-@pytest.mark.parametrize("path", ["partials", "recompute"])
+@pytest.mark.parametrize("path", ["partials", "recompute", "whole"])
 def test_a_down_proj_wide_row_split_over_many_chunks_equals_one_program_per_row(path):
     x = rows(2, 2 * 18944, torch.bfloat16, zero_row=None)  # Qwen2.5-7B's [gate | up]
     got = fp8_quant.silu_and_mul_fp8(x, quant("token"), token_path=path)
     assert_bit_equal(got, fp8_quant.silu_and_mul_fp8(x, quant("token"), token_path="row"))
 
 
-def test_decode_batches_split_rows_and_prefill_batches_keep_one_program_per_row():
-    assert fp8_quant.default_token_path(1) == "partials"
-    assert fp8_quant.default_token_path(fp8_quant.SPLIT_MAX_ROWS) == "partials"
-    assert fp8_quant.default_token_path(fp8_quant.SPLIT_MAX_ROWS + 1) == "row"
+def test_decode_batches_and_wide_rows_split_and_narrow_prefill_rows_go_whole():
+    prefill, narrow = fp8_quant.SPLIT_MAX_ROWS + 1, fp8_quant.WHOLE_PREFERRED_COLUMNS
+    assert fp8_quant.default_token_path(1, 3584) == "partials"
+    assert fp8_quant.default_token_path(fp8_quant.SPLIT_MAX_ROWS, 3584) == "partials"
+    assert fp8_quant.default_token_path(prefill, 3584) == "whole"
+    assert fp8_quant.default_token_path(prefill, narrow) == "whole"
+    assert fp8_quant.default_token_path(prefill, narrow + 1) == "partials"  # down_proj's
+
+
+def test_the_whole_row_path_refuses_a_row_wider_than_one_block():
+    x = torch.ones(1, fp8_quant.WHOLE_MAX_COLUMNS + 16, device=DEVICE)
+    with pytest.raises(ValueError, match="'whole' holds at most 32768 columns, got 32784"):
+        fp8_quant.quantize_fp8(x, quant("token"), "whole")
 
 
 def test_an_unknown_token_path_is_a_value_error_naming_it():

@@ -2,8 +2,9 @@
 RMSNorm (+ residual add), SiLU-and-mul, and a plain quantization (attention output -> o_proj).
 
 RMSNorm: one program per token row. SiLU-and-mul and the plain quantization: per-token scales
-at decode sizes split each row over many programs (chunk maxima first, `TOKEN_PATHS`), else
-one program per row; group and static scales, one program per chunk. No host syncs (a static
+at decode sizes and on wide rows split each row over many programs (chunk maxima first), and
+a prefill batch's narrow rows take one program per row holding all of it (`TOKEN_PATHS`,
+`default_token_path`); group and static scales, one program per chunk. No host syncs (a static
 scale is read on the device), so launches are capturable in CUDA graphs. Each kernel first
 rounds its output to the model dtype exactly as `fused_ops` does, then quantizes as
 `common.model.quantization.fp8_ops`: scale = max(amax * INV_FP8_MAX, MIN_SCALE),
@@ -31,15 +32,25 @@ _LAYOUT = {"token": 0, "group": 1, "static": 2}
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _TOKEN_STEP = 8192  # columns per loop step of a per-token row program
 _CHUNK = 1024  # columns per program of the group and static layouts
-_PARTIALS, _RECOMPUTE = tl.constexpr(0), tl.constexpr(1)  # where a token row's amax comes from
+# Where a token row's amax comes from.
+_PARTIALS, _RECOMPUTE, _WHOLE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # How per-token scales are computed (`quantize_fp8`'s `token_path`): "row", one program per
-# row (two passes over it); "partials", chunk maxima from a first launch, then one program per
-# chunk; "recompute", one launch, each chunk's program redoing the row's amax pass itself.
-TOKEN_PATHS = ("row", "partials", "recompute")
+# row (two passes over it); "whole", one program per row holding all of it (one pass: the row
+# is read and, for SiLU-and-mul, computed once); "partials", chunk maxima from a first launch,
+# then one program per chunk; "recompute", one launch, each chunk's program redoing the row's
+# amax pass itself.
+TOKEN_PATHS = ("row", "whole", "partials", "recompute")
+WHOLE_MAX_COLUMNS = 32768  # a row in one block: 32 values a thread at 32 warps
+# Prefill batches (more than SPLIT_MAX_ROWS rows): rows up to this wide take "whole", wider
+# ones "partials". On an H200 (`bench_fp8_linear.py --only 'quant\[|silu\['`, Qwen2.5-7B) the
+# o_proj input (3584 wide) took 10.6 / 35.0 us at 2048 / 8192 rows whole, against 15.2 / 53.5
+# one program per row; the down_proj input (SiLU-and-mul, 18944 wide) took 100 / 372 us with
+# partials, against 130 / 463 per row and 150 / 572 whole (spilling registers).
+WHOLE_PREFERRED_COLUMNS = 8192
 # Up to this many rows (decode batches) a row is spread over many programs: one program per
 # row left an H200 at batch 1 with one SM quantizing an 18944-wide row (12.6 us a call, 0.70
 # ms of a 4.0 ms Qwen2.5-7B step); at batch 128 the row path still took 12.4 us a call (1.4
-# ms a step). Above it the rows alone fill the SMs.
+# ms a step). Above it the rows alone fill the SMs, and narrow rows go whole (below).
 SPLIT_MAX_ROWS = 256
 _SPLIT_PROGRAMS = 1024  # chunks sized for several programs per SM of an H100 / H200
 _SPLIT_MIN, _SPLIT_MAX = 256, 4096  # columns per chunk
@@ -175,14 +186,20 @@ def _quantize_rows_kernel(
     time (span a multiple of BLOCK). Per-token scales need the row's amax first: AMAX ==
     _PARTIALS reads the num_parts chunk maxima `_chunk_amax_kernel` left in amax[r, :]
     (PARTS, a power of two, covers them); AMAX == _RECOMPUTE makes a pass over the whole row,
-    STEP columns at a time (the row is recomputed, not kept). Program (r, 0) stores the scale.
+    STEP columns at a time (the row is recomputed, not kept); AMAX == _WHOLE holds the whole
+    row in one BLOCK (one program per row). Program (r, 0) stores the scale.
     Group and static scales need no row-wide value (span == BLOCK)."""
     row = tl.program_id(0).to(tl.int64)
     x_row, q_row = x_ptr + row * stride_x, q_ptr + row * n
     s_row = s_ptr + row * num_scales
     offs = tl.arange(0, BLOCK)
     lo = tl.program_id(1) * span
-    if LAYOUT == _TOKEN:
+    if LAYOUT == _TOKEN and AMAX == _WHOLE:
+        y = _row(x_row, n, offs, SILU)
+        scale = _scale_of(tl.max(tl.abs(y), 0))
+        tl.store(s_row, scale)
+        tl.store(q_row + offs, _fp8(y, scale), mask=offs < n)
+    elif LAYOUT == _TOKEN:
         if AMAX == _PARTIALS:
             parts = tl.arange(0, PARTS)
             amax = tl.load(amax_ptr + row * num_parts + parts, mask=parts < num_parts, other=0.0)
@@ -252,8 +269,8 @@ def quantize_fp8(
     x: torch.Tensor, quant: ActivationQuant, token_path: str | None = None
 ) -> Fp8Activation:
     """`x` [..., K] to FP8 in `quant`'s layout. `token_path` (one of TOKEN_PATHS) forces how
-    per-token scales are computed, for benchmarks and tests; by default "partials" up to
-    SPLIT_MAX_ROWS rows, else "row". Every path gives the same bits."""
+    per-token scales are computed, for benchmarks and tests; by default `default_token_path`.
+    Every path gives the same bits."""
     return _quantize_rows(x, x.shape[-1], quant, False, token_path)
 
 
@@ -266,7 +283,7 @@ def _quantize_rows(
     act, static = _outputs(x2, n, x.dtype, quant)
     m = x2.shape[0]
     if m and n and quant.layout == "token":
-        path = token_path or default_token_path(m)
+        path = token_path or default_token_path(m, n)
         _quantize_tokens(x2, n, act, silu, path)
     elif m and n:
         block = max(min(_CHUNK, triton.next_power_of_2(n)), quant.group)
@@ -278,10 +295,12 @@ def _quantize_rows(
     return _shaped(act, (*x.shape[:-1], n))
 
 
-def default_token_path(rows: int) -> str:
-    """Decode batches spread each row over many programs; prefill batches fill the SMs with
-    rows already."""
-    return "partials" if rows <= SPLIT_MAX_ROWS else "row"
+def default_token_path(rows: int, columns: int) -> str:
+    """Decode batches and wide rows spread each row over many programs; a prefill batch of
+    narrow rows reads each row once, in one block (WHOLE_PREFERRED_COLUMNS)."""
+    if rows > SPLIT_MAX_ROWS and columns <= WHOLE_PREFERRED_COLUMNS:
+        return "whole"
+    return "partials"
 
 
 def _quantize_tokens(x2: torch.Tensor, n: int, act: Fp8Activation, silu: bool, path: str) -> None:
@@ -289,9 +308,14 @@ def _quantize_tokens(x2: torch.Tensor, n: int, act: Fp8Activation, silu: bool, p
     exactly, so the scale, and every byte, is the same on each path."""
     m = x2.shape[0]
     step = max(128, min(_TOKEN_STEP, triton.next_power_of_2(n)))  # tiles of >= 128 columns
+    if path == "whole" and n > WHOLE_MAX_COLUMNS:
+        raise ValueError(f"token_path 'whole' holds at most {WHOLE_MAX_COLUMNS} columns, got {n}")
     if path == "row":
         block, parts, programs = step, 1, 1
         span = triton.cdiv(n, step) * step
+    elif path == "whole":
+        block = span = max(128, triton.next_power_of_2(n))
+        parts = programs = 1
     else:
         want = triton.next_power_of_2(triton.cdiv(m * n, _SPLIT_PROGRAMS))
         block = span = min(step, max(_SPLIT_MIN, min(_SPLIT_MAX, want)))
@@ -302,12 +326,14 @@ def _quantize_tokens(x2: torch.Tensor, n: int, act: Fp8Activation, silu: bool, p
         _chunk_amax_kernel[(m, parts)](
             x2, amax, x2.stride(0), n, parts, SILU=silu, BLOCK=block, num_warps=_row_warps(block)
         )
-    widest = block if path == "partials" else step
+    widest = block if path in ("partials", "whole") else step
+    # A whole row of up to 32768 columns: up to 32 warps, so each thread holds <= 32 values.
+    warps = max(_row_warps(widest), widest // 1024) if path == "whole" else _row_warps(widest)
+    source = {"partials": _PARTIALS, "whole": _WHOLE}.get(path, _RECOMPUTE)
     _quantize_rows_kernel[(m, programs)](
         x2, act.data, act.scale, act.scale, amax, x2.stride(0), n, 1, span, parts,
-        SILU=silu, LAYOUT=_LAYOUT["token"], AMAX=_PARTIALS if path == "partials" else _RECOMPUTE,
-        GROUP_SIZE=1, PARTS=triton.next_power_of_2(parts), STEP=step, BLOCK=block,
-        num_warps=_row_warps(widest),
+        SILU=silu, LAYOUT=_LAYOUT["token"], AMAX=source, GROUP_SIZE=1,
+        PARTS=triton.next_power_of_2(parts), STEP=step, BLOCK=block, num_warps=warps,
     )  # fmt: skip
 
 
