@@ -1,13 +1,17 @@
 """Paged attention microbenchmark: bf16 against FP8 KV caches, decode and prefill, per layer call.
 
     python benchmarks/bench_attention.py [--out attn.json] [--batch 1 32 128] [--ctx 1024 8192]
-        [--prefill 2048 8192] [--block-n 32 64 128] [--reps 30]
+        [--prefill 2048 8192] [--block-n 32 64 128] [--warps 4 8] [--stages 2 3]
+        [--prefill-rows 64 128] [--reps 30]
     python benchmarks/bench_attention.py --smoke        # tiny shapes (a CPU: the interpreter)
 
 Shapes are Qwen2.5-7B's (28 query heads, 4 KV heads, head_dim 128, pages of 16) unless
 --heads/--kv-heads/--head-dim say otherwise. Variants of the cache and the products' dtype:
 `bf16` (a bf16 cache), `fp8/bf16` (an e4m3 cache widened to bf16 in registers) and `fp8/fp16`
-(widened to fp16: `paged_attention`'s default for a bf16 q), each at every --block-n.
+(widened to fp16: `paged_attention`'s default for a bf16 q), each at every combination of
+--block-n (0, the default: the kernel's choice), --warps, --stages (0: the kernel's) and, for
+prefill, --prefill-rows (the most rows of a tile: query tokens x the GQA group). --batch with
+no values skips decode.
 
 Decode: B sequences of ctx keys in shuffled pages; `layers` caches (one per layer, together
 over 200 MB, so no call finds its keys in L2) share one block table. One CUDA graph replays one
@@ -45,12 +49,13 @@ VARIANTS = {"bf16": (torch.bfloat16, None), "fp8/bf16": (torch.float8_e4m3fn, Fa
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 32, 128])
+    p.add_argument("--batch", type=int, nargs="*", default=[1, 32, 128])
     p.add_argument("--ctx", type=int, nargs="+", default=[1024, 8192])
     p.add_argument("--prefill", type=int, nargs="*", default=[2048, 8192])
     p.add_argument("--block-n", type=int, nargs="+", default=[0], help="0: the kernel's choice")
-    p.add_argument("--warps", type=int, nargs="+", default=[4], help="decode launches")
-    p.add_argument("--stages", type=int, nargs="+", default=[0], help="decode; 0: the kernel's")
+    p.add_argument("--warps", type=int, nargs="+", default=[4])
+    p.add_argument("--stages", type=int, nargs="+", default=[0], help="0: the kernel's")
+    p.add_argument("--prefill-rows", type=int, nargs="+", default=[64], help="rows of a tile")
     p.add_argument("--heads", type=int, default=28)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=128)
@@ -200,16 +205,25 @@ def prefill_rows(args, device, bf16_rate: float | None) -> list[dict]:
             (kc, vc) = caches(1, pages, args, dtype, device)[0]
             fp8 = dtype == torch.float8_e4m3fn
             scales = dict(k_scale=K_SCALE, v_scale=V_SCALE) if fp8 else {}
-            for block_n in args.block_n:
+            launches = [
+                (bn, w, st, r)
+                for bn in args.block_n
+                for w in args.warps
+                for st in args.stages
+                for r in args.prefill_rows
+            ]
+            for block_n, warps, stages, rows_max in launches:
                 call = functools.partial(
                     paged_prefill_attention, q, kc, vc, out, starts, seq_lens, table, n,
-                    sm_scale, block_n or None, fp16_products=fp16, **scales,
+                    sm_scale, block_n or None, fp16_products=fp16, num_warps=warps,
+                    num_stages=stages or 2, max_rows=rows_max, **scales,
                 )  # fmt: skip
                 call()
                 err = prefill_error(q, kc, vc, out, table, n, sm_scale)
                 seconds = time_fn(call, args.reps, cuda)
                 flops = 4 * args.head_dim * args.heads * n * (n + 1) / 2
                 row = dict(kind="prefill", variant=name, tokens=n, block_n=block_n,
+                           warps=warps, stages=stages, rows=rows_max,
                            ms=round(seconds * 1e3, 3), tflops=round(flops / seconds / 1e12, 1),
                            bf16_frac=bf16_rate and round(flops / seconds / bf16_rate, 3),
                            max_err=round(err, 5))  # fmt: skip
@@ -272,6 +286,7 @@ def print_table(rows: list[dict]) -> None:
             frac, tile = r["floor_frac"], f"{tile} {r['warps']} {r['stages'] or 'auto'}"
         else:
             shape, time_s, frac = f"{r['tokens']} tokens", f"{r['ms']} ms", r["bf16_frac"]
+            tile = f"{tile} {r['warps']} {r['stages'] or 'auto'} m{r['rows']}"
         frac_s = "-" if frac is None else f"{frac:.0%}"
         print(f"{r['kind']:8} {r['variant']:9} {shape:14} {tile:26} {time_s:12} {frac_s:>13}  "
               f"{r['max_err']:.2e}")  # fmt: skip

@@ -6,6 +6,7 @@ Shared by the end-to-end tests (tests/pd_stack.py re-exports it) and the serving
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -132,6 +133,7 @@ class PDStack:
         env: dict[str, str] | None = None,
     ) -> None:
         self.log_path = log_path
+        self.pids: list[int] = []
         # Ports are checked free, then bound seconds later, once the nodes have loaded their
         # weights; a stack starting beside this one in that window can take one of them. The
         # stack that binds second exits naming the port, and starts again on other ports.
@@ -143,6 +145,8 @@ class PDStack:
             except PortTaken:
                 if attempt == PORT_ATTEMPTS - 1:
                     raise
+                with contextlib.suppress(ProcessLookupError):  # whatever the launcher left
+                    os.killpg(self.proc.pid, signal.SIGKILL)
         self.pids = descendants(self.proc.pid)
 
     def _launch(self, args: tuple[str, ...], env: dict[str, str] | None) -> None:

@@ -425,13 +425,17 @@ def paged_prefill_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     fp16_products: bool | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+    max_rows: int = 64,
 ) -> None:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
     Writes `out` rows `query_start_loc[0]:query_start_loc[-1]`; other rows are left alone.
     The new tokens' K/V must already be in the cache. `block_n` overrides the key tile (tests).
     `k_scale`/`v_scale` dequantize an FP8 cache, `fp16_products` overrides how (module
-    docstring).
+    docstring). `num_warps`, `num_stages` and `max_rows` (of a tile) override the launch
+    (benchmarks).
     """
     group = _check_q(q, k_cache)
     kv_fp8 = _kv_fp8(k_cache, v_cache, k_scale, v_scale)
@@ -444,7 +448,7 @@ def paged_prefill_attention(
     # Tile rows = BLOCK_Q tokens x GROUP heads: 64 (one warpgroup's wgmma; on an H100 64 beat
     # 128 by 5-10%: twice the programs balance the causal work better), fewer when only short
     # chunks or decode rows are queued.
-    rows_wanted = min(64, triton.next_power_of_2(max_query_len * group))
+    rows_wanted = min(max_rows, triton.next_power_of_2(max_query_len * group))
     block_m = max(16, triton.next_power_of_2(group), rows_wanted)
     block_q = block_m // group
     # FP8 tiles are half the bytes: 128 keys a tile beat 64 on an H200 at 2k and 8k tokens
@@ -459,7 +463,7 @@ def paged_prefill_attention(
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale_log2, v_scale,
         *strides, GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, PAGE_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, KV_FP8=kv_fp8, FP16_PRODUCTS=fp16,
-        num_warps=4 if block_d <= 128 else 8, num_stages=2,
+        num_warps=num_warps or (4 if block_d <= 128 else 8), num_stages=num_stages,
     )  # fmt: skip
 
 
