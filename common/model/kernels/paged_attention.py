@@ -453,7 +453,7 @@ def paged_prefill_attention(
     block_q = block_m // group
     # FP8 tiles are half the bytes: 128 keys a tile beat 64 on an H200 at 2k and 8k tokens
     # (`bench_attention.py`); bf16 stays at 64, which beat 128 there.
-    wide_fp8 = kv_fp8 and _tiles_fit(q.device, 2, 128, block_d, 1)
+    wide_fp8 = kv_fp8 and _tiles_fit(q.device, num_stages, 128, block_d, 1)
     block_n = block_n or (32 if block_d > 128 else 128 if wide_fp8 else 64)
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                *_cache_strides(k_cache, v_cache), block_tables.stride(0))  # fmt: skip
