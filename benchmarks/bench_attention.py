@@ -31,9 +31,7 @@ import functools
 import json
 import math
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -101,29 +99,8 @@ def reference_decode(q, kc, vc, table, ctx, scale_k, scale_v, sm_scale) -> torch
     return torch.stack(rows)
 
 
-def time_graph(fn, reps: int, cuda: bool) -> float:
-    """Median seconds of one replay of `fn` captured in a CUDA graph (CPU: eager calls)."""
-    if not cuda:
-        begin = time.perf_counter()
-        fn()
-        return time.perf_counter() - begin
-    fn()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(reps + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times[3:])
-
-
 def decode_rows(args, device, copy_rate: float | None) -> list[dict]:
+    from benchmarks.bench_mla_decode import time_us  # one CUDA graph, median of its replays
     from common.model.kernels.paged_attention import (
         DecodeScratch,
         decode_num_splits,
@@ -169,8 +146,7 @@ def decode_rows(args, device, copy_rate: float | None) -> list[dict]:
                         q[check], *pools[0], table[check], ctx, K_SCALE, V_SCALE, sm_scale
                     )
                     err = (out[check].float() - ref).abs().max().item()
-                    seconds = time_graph(lambda calls=calls: [c() for c in calls], args.reps, cuda)
-                    us = seconds / layers * 1e6
+                    us = time_us(lambda calls=calls: [c() for c in calls], args.reps, cuda) / layers
                     floor = kv_bytes / copy_rate * 1e6 if copy_rate else None
                     row = dict(kind="decode", variant=name, batch=batch, ctx=ctx,
                                block_n=block_n, warps=warps, stages=stages, splits=splits,
@@ -216,7 +192,7 @@ def prefill_rows(args, device, bf16_rate: float | None) -> list[dict]:
                 call = functools.partial(
                     paged_prefill_attention, q, kc, vc, out, starts, seq_lens, table, n,
                     sm_scale, block_n or None, fp16_products=fp16, num_warps=warps,
-                    num_stages=stages or 2, max_rows=rows_max, **scales,
+                    num_stages=stages or None, max_rows=rows_max, **scales,
                 )  # fmt: skip
                 call()
                 err = prefill_error(q, kc, vc, out, table, n, sm_scale)

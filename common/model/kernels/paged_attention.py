@@ -46,6 +46,7 @@ LOG2E = math.log2(math.e)
 MIN_KEYS_PER_SPLIT = 128
 MAX_DECODE_SPLITS = 64
 DECODE_STAGES = 3  # pipelined K/V tiles of a decode program (head_dim <= 128)
+PREFILL_STAGES = 2  # and of a prefill program
 
 
 # fmt: off
@@ -426,7 +427,7 @@ def paged_prefill_attention(
     v_scale: float = 1.0,
     fp16_products: bool | None = None,
     num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     max_rows: int = 64,
 ) -> None:
     """Causal attention of each sequence's new tokens over its whole paged context.
@@ -453,6 +454,8 @@ def paged_prefill_attention(
     block_q = block_m // group
     # FP8 tiles are half the bytes: 128 keys a tile beat 64 on an H200 at 2k and 8k tokens
     # (`bench_attention.py`); bf16 stays at 64, which beat 128 there.
+    num_warps = num_warps or (4 if block_d <= 128 else 8)
+    num_stages = num_stages or PREFILL_STAGES
     wide_fp8 = kv_fp8 and _tiles_fit(q.device, num_stages, 128, block_d, 1)
     block_n = block_n or (32 if block_d > 128 else 128 if wide_fp8 else 64)
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -463,7 +466,7 @@ def paged_prefill_attention(
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale_log2, v_scale,
         *strides, GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, PAGE_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, KV_FP8=kv_fp8, FP16_PRODUCTS=fp16,
-        num_warps=num_warps or (4 if block_d <= 128 else 8), num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
 
 
@@ -482,7 +485,7 @@ def paged_decode_attention(
     groups: torch.Tensor | None = None,
     rows_max: int = 1,
     fp16_products: bool | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> None:
     """One query token per row: row i of q and out attends to the first `seq_lens[i]` keys of
@@ -524,6 +527,7 @@ def paged_decode_attention(
     block_m = max(16, triton.next_power_of_2(group * (rows_max if grouped else 1)))
     programs = num_seqs * k_cache.shape[2] * num_splits
     block_n = block_n or decode_block_n(block_d, block_m, kv_fp8, programs, q.device)
+    num_warps = num_warps or 4
     num_stages = num_stages or (DECODE_STAGES if block_d <= 128 else 2)
     parts = (out, out, out) if scratch is None else (scratch.max_log2, scratch.sum_exp, scratch.acc)
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
