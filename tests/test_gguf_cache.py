@@ -23,7 +23,7 @@ def test_a_second_converter_waits_for_the_first_and_converts_nothing(tmp_path, m
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF not really")  # never parsed: the conversion is already there
     target = gguf_cache.cached_hf_dir(gguf)
-    target.parent.mkdir(parents=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
     before = blocked_flock_waiters()
     result: list[Path] = []
     with open(target.parent / f".{target.name}.lock", "w") as lock:  # "the first converter"
@@ -39,3 +39,27 @@ def test_a_second_converter_waits_for_the_first_and_converts_nothing(tmp_path, m
     waiter.join(timeout=60)
     assert result == [target]
     assert sorted(p.name for p in target.iterdir()) == ["config.json"]  # nothing converted again
+
+
+def test_the_cache_is_keyed_by_contents_so_a_reinstalled_file_reuses_its_conversion(
+    tmp_path, monkeypatch
+):
+    """Every new virtual environment installs the embedded GGUF at a new path: the conversion
+    cached for the first must serve the second, and different bytes must not."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    first, second, other = (tmp_path / name / "model.gguf" for name in ("a", "b", "c"))
+    for path, data in ((first, b"GGUF same"), (second, b"GGUF same"), (other, b"GGUF other")):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    assert gguf_cache.cached_hf_dir(first) == gguf_cache.cached_hf_dir(second)
+    assert gguf_cache.cached_hf_dir(first) != gguf_cache.cached_hf_dir(other)
+    assert gguf_cache.cached_hf_dir(first, "bfloat16").name.endswith("-bfloat16")
+    # Each path's digest is remembered: one small file per (path, size, mtime), nothing more.
+    digests = sorted((tmp_path / "cache" / "gguf" / ".digests").iterdir())
+    assert len(digests) == 3
+    assert {d.read_text() for d in digests} == {
+        gguf_cache.content_digest(first),
+        gguf_cache.content_digest(other),
+    }
+    other.write_bytes(b"GGUF changed")  # a new size: hashed again, not read from the memo
+    assert gguf_cache.cached_hf_dir(other) != gguf_cache.cached_hf_dir(first)

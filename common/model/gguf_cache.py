@@ -3,8 +3,12 @@
 transformers dequantizes GGUF tensors on load (tens of seconds); we do that once per file and
 serving dtype and keep config, safetensors weights (in that dtype: a bfloat16 server does not
 read, nor store, float32 copies) and tokenizer under `envs.cache_dir()`, keyed by the file's
-path, size, mtime and the dtype. Every later process loads the cached directory like any HF
-checkpoint.
+contents and the dtype. Every later process loads the cached directory like any HF checkpoint.
+
+The key is the contents, not the path: the embedded model's GGUF is reinstalled into every new
+virtual environment (a fresh clone, a CI run), and a path-keyed cache grew by a ~0.8 GB copy
+of the same weights each time. Hashing ~100 MB takes a fraction of a second, and is done once
+per path, size and mtime: the digest is remembered in a one-line file beside the conversions.
 """
 
 from __future__ import annotations
@@ -25,12 +29,27 @@ DTYPES = ("float32", "bfloat16", "float16")
 def cached_hf_dir(gguf_path: Path, dtype: str = "float32") -> Path:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    stat = gguf_path.stat()
-    key = hashlib.sha256(
-        f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
-    ).hexdigest()
-    suffix = "" if dtype == "float32" else f"-{dtype}"  # float32 keeps its earlier name
-    return envs.cache_dir() / "gguf" / f"{gguf_path.stem}-{key[:12]}{suffix}"
+    suffix = "" if dtype == "float32" else f"-{dtype}"
+    return envs.cache_dir() / "gguf" / f"{gguf_path.stem}-{content_digest(gguf_path)[:12]}{suffix}"
+
+
+def content_digest(path: Path) -> str:
+    """sha256 of `path`'s bytes, remembered per (path, size, mtime) under the cache."""
+    stat = path.stat()
+    seen = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    memo = envs.cache_dir() / "gguf" / ".digests" / seen.hexdigest()[:32]
+    if memo.exists():
+        return memo.read_text().strip()
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    # Written whole, then renamed: a reader never sees half a digest.
+    partial = memo.with_name(f"{memo.name}.{os.getpid()}")
+    partial.write_text(digest.hexdigest())
+    os.replace(partial, memo)
+    return digest.hexdigest()
 
 
 def _save_plain_checkpoint(model, folder: Path) -> None:
