@@ -12,6 +12,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
 
 
+def prebuilt_cache_dir() -> Path | None:
+    """A read-only cache filled ahead of time, read before `cache_dir()` and never written
+    (PDSERVE_PREBUILT_CACHE_DIR; unset: none). The CPU image converts the embedded model into
+    one at build time, outside ~/.cache, which Kubernetes pods mount as an empty volume."""
+    value = os.environ.get("PDSERVE_PREBUILT_CACHE_DIR")
+    return Path(value) if value else None
+
+
 def log_level() -> str:
     return os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper()
 

