@@ -3,8 +3,8 @@ with podman and run: `pdserve serve` colocated on the embedded model answers a c
 the image's HEALTHCHECK passes, the server runs as a non-root user, and it converts no model (the
 image holds the embedded one converted).
 
-Skipped where podman, runc or mmdebstrap are missing (CI machines do not have them; they are
-Debian packages), or with PDSERVE_CONTAINER_TESTS=0: a build and the pods take minutes. The
+Skipped where podman, runc or mmdebstrap are missing (Debian packages; where they are installed,
+CI runs these tests too), or with PDSERVE_CONTAINER_TESTS=0: a first build takes minutes. The
 helpers here also build the image for tests/test_k8s_manifests.py.
 """
 

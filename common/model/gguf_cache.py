@@ -13,6 +13,7 @@ per path, size and mtime: the digest is remembered in a one-line file beside the
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -46,11 +47,14 @@ def content_digest(path: Path) -> str:
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
             digest.update(chunk)
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    # Written whole, then renamed: a reader never sees half a digest.
-    partial = memo.with_name(f"{memo.name}.{os.getpid()}")
-    partial.write_text(digest.hexdigest())
-    os.replace(partial, memo)
+    # Written whole, then renamed: a reader never sees half a digest. Where the cache cannot be
+    # written (a read-only file system serving from the prebuilt cache), the file is hashed again
+    # at the next start instead.
+    with contextlib.suppress(OSError):
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        partial = memo.with_name(f"{memo.name}.{os.getpid()}")
+        partial.write_text(digest.hexdigest())
+        os.replace(partial, memo)
     return digest.hexdigest()
 
 
