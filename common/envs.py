@@ -31,6 +31,13 @@ def profile_dir() -> Path | None:
     return Path(value) if value else None
 
 
+def pdl() -> bool:
+    """Programmatic dependent launch of the decode step's Triton kernels on Hopper and later
+    (PDSERVE_PDL, default on; "0" turns it off: A/B runs, and per-kernel profiles, whose times
+    would count each kernel's wait for the one before). See `common/model/kernels/pdl.py`."""
+    return os.environ.get("PDSERVE_PDL", "1") != "0"
+
+
 def api_key() -> str | None:
     """The router's API key when --api-key is not given (PDSERVE_API_KEY; unset or empty: none)."""
     return os.environ.get("PDSERVE_API_KEY") or None

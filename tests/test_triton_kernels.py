@@ -321,6 +321,34 @@ def test_rotary_rotates_q_and_k_in_place_like_torch(device, dtype):
     assert torch.equal(qkv[:, 6:], v_before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_with_qk_norm_normalises_each_head_first_like_torch(device, dtype):
+    """Qwen3's q_norm and k_norm fused into the rotary launch: each head RMS-normalised with
+    its own weights, then rotated, in place, as the separate torch ops do."""
+    from common.model.layers.basic import RotaryEmbedding
+    from common.model.spec import RopeSpec
+
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(64, 50, RopeSpec(theta=10000.0)).to(device)
+    qkv = torch.randn(5, 4 + 2 + 2, 64, dtype=dtype, device=device) * 3
+    q, k, v_before = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:].clone()
+    q_w = torch.rand(64, dtype=dtype, device=device) + 0.5
+    k_w = torch.rand(64, dtype=dtype, device=device) + 0.5
+    positions = torch.tensor([0, 1, 7, 33, 49], device=device)
+    cq, ck, cpos, ccos, csin, cqw, ckw = _cpu(q, k, positions, rope.cos, rope.sin, q_w, k_w)
+    ref_q, ref_k = ops.apply_rotary(
+        ops.rms_norm(cq, cqw, 1e-6), ops.rms_norm(ck, ckw, 1e-6), cpos, ccos, csin
+    )
+    out_q, out_k = fused_ops.apply_rotary(q, k, positions, rope.cos, rope.sin, (q_w, k_w, 1e-6))
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
+    tol = ELEMENTWISE_TOL[dtype]
+    torch.testing.assert_close(qkv[:, :4].cpu(), ref_q, **tol)
+    torch.testing.assert_close(qkv[:, 4:6].cpu(), ref_k, **tol)
+    assert torch.equal(qkv[:, 6:], v_before)
+    with pytest.raises(ValueError, match="qk_norm weights"):
+        fused_ops.apply_rotary(q, k, positions, rope.cos, rope.sin, (q_w[:32], k_w, 1e-6))
+
+
 @pytest.mark.parametrize(
     "dtype, block_shape", [(torch.bfloat16, (16, 2, 64)), (torch.float32, (4, 3, 40))]
 )

@@ -132,9 +132,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = rotary(positions, q, k, (self.q_norm, self.k_norm) if self.qk_norm else None)
         out = ctx.attention(self.layer, q, k, v).reshape(-1, self.q_size)
         return self.o_proj(quantize(out, self.o_proj.input_quant))
 

@@ -108,17 +108,25 @@ def apply_rotary(
     positions: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style rotary (rotate halves) of q `[T, H, D]` and k `[T, Hk, D]` at `positions`,
     from fp32 `[max_positions, D // 2]` cos/sin tables. Returns the rotated (q, k).
 
+    `qk_norm` (q weight, k weight, eps): `rms_norm` of each head first, as Qwen3's q_norm and
+    k_norm; on CUDA in the same launch as the rotation when the weights are in q's dtype.
+
     The Triton path rotates in place and returns its inputs; the torch path returns new
     tensors. Callers use the return value and do not reuse the inputs.
     """
+    fused = qk_norm is not None and qk_norm[0].dtype == qk_norm[1].dtype == q.dtype == k.dtype
+    if qk_norm is not None and not (fused and _use_triton(q)):
+        q_w, k_w, eps = qk_norm
+        q, k, qk_norm = rms_norm(q, q_w, eps), rms_norm(k, k_w, eps), None
     if _use_triton(q):
         from common.model.kernels import fused_ops
 
-        return fused_ops.apply_rotary(q, k, positions, cos, sin)
+        return fused_ops.apply_rotary(q, k, positions, cos, sin, qk_norm)
     cos = cos[positions].unsqueeze(1)  # [T, 1, D/2]
     sin = sin[positions].unsqueeze(1)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.model.kernels.pdl import pdl_args, pdl_prologue
+
 FP8 = torch.float8_e4m3fn
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GROUP_M = 8  # output tiles walked in groups of 8 row tiles, so neighbours share b in L2
@@ -132,6 +134,7 @@ def _w8a8_kernel(
     BLOCK_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr,
     EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr, PROMOTE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program (tile, split): K iterations [split * per, (split + 1) * per) of one output tile,
     each GROUPS * BLOCK_K columns (block-scaled: GROUPS scale groups of BLOCK_K, their products
@@ -139,6 +142,7 @@ def _w8a8_kernel(
     (scaled, bias added, cast); else a float32 [S, M, N] workspace of scaled partials, bias
     left to the epilogue. PROMOTE_K: K columns the tensor cores accumulate in their reduced
     FP8 precision before the sum joins the fp32 accumulator (DeepSeek-V3's promotion)."""
+    pdl_prologue(PDL)
     pid, split = tl.program_id(0), tl.program_id(1)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * tiles_n
@@ -218,9 +222,10 @@ def _epilogue_kernel(
     src_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr,
     M, N, stride_ss, stride_sm, stride_sam, stride_sbn, stride_om,
     SPLITS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """out = (sum of SPLITS partials [S, M, N], in order) * sa[m] * sb[n] + bias[n]."""
+    pdl_prologue(PDL)
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -373,7 +378,7 @@ def _launch(a, a_scale, b, b_scale, scale_strides, groups, out_dtype, bias, conf
         SWAP_AB=config.swap_ab, EVEN_K=k % config.block_k == 0, GROUP_M=GROUP_M,
         GROUPS=max(groups, 1), PROMOTE_K=min(config.promote_k, block_k),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(a.device),
     )  # fmt: skip
     if splits > 1:
         _run_epilogue(target, None, bias, out)
@@ -391,5 +396,5 @@ def _run_epilogue(src, scales, bias, out) -> None:
         src, a_scale, b_scale, bias if bias is not None else out, out,
         m, n, src.stride(0), src.stride(1), a_stride, b_stride, out.stride(0),
         SPLITS=splits, HAS_SCALE=scales is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, **pdl_args(out.device),
     )  # fmt: skip

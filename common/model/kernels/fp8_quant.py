@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from common.model.kernels.fused_ops import _row_warps
+from common.model.kernels.pdl import pdl_args, pdl_prologue
 from common.model.quantization.activation import ActivationQuant, Fp8Activation
 from common.model.quantization.fp8_ops import FP8, FP8_MAX, INV_FP8_MAX, MIN_SCALE
 
@@ -130,10 +131,11 @@ def _rms_norm_fp8_kernel(
     x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, static_ptr,
     stride_x, stride_r, n, num_scales, eps,
     HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr, LAYOUT: tl.constexpr,
-    GROUP_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # fmt: on
     """Row r: the math of `fused_ops._rms_norm_kernel`, rounded to OUT_DTYPE, then FP8."""
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -167,8 +169,9 @@ def _row(x_row, n, offs, SILU: tl.constexpr):
 
 @triton.jit
 def _chunk_amax_kernel(x_ptr, amax_ptr, stride_x, n, num_parts,
-                       SILU: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                       SILU: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """Program (r, c): the amax of `_row` r over columns c*BLOCK.., into amax[r, c]."""
+    pdl_prologue(PDL)
     row, part = tl.program_id(0).to(tl.int64), tl.program_id(1)
     y = _row(x_ptr + row * stride_x, n, part * BLOCK + tl.arange(0, BLOCK), SILU)
     tl.store(amax_ptr + row * num_parts + part, tl.max(tl.abs(y), 0))
@@ -179,7 +182,7 @@ def _chunk_amax_kernel(x_ptr, amax_ptr, stride_x, n, num_parts,
 def _quantize_rows_kernel(
     x_ptr, q_ptr, s_ptr, static_ptr, amax_ptr, stride_x, n, num_scales, span, num_parts,
     SILU: tl.constexpr, LAYOUT: tl.constexpr, AMAX: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    PARTS: tl.constexpr, STEP: tl.constexpr, BLOCK: tl.constexpr,
+    PARTS: tl.constexpr, STEP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # fmt: on
     """Program (r, c) quantizes columns [c * span, (c + 1) * span) of `_row` r, BLOCK at a
@@ -189,6 +192,7 @@ def _quantize_rows_kernel(
     STEP columns at a time (the row is recomputed, not kept); AMAX == _WHOLE holds the whole
     row in one BLOCK (one program per row). Program (r, 0) stores the scale.
     Group and static scales need no row-wide value (span == BLOCK)."""
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row, q_row = x_ptr + row * stride_x, q_ptr + row * n
     s_row = s_ptr + row * num_scales
@@ -250,7 +254,7 @@ def rms_norm_fp8(
             x2.stride(0), res2.stride(0), n, _num_scales(act), eps,
             HAS_RESIDUAL=residual is not None, OUT_DTYPE=_TL_DTYPE[out_dtype],
             LAYOUT=_LAYOUT[quant.layout], GROUP_SIZE=quant.group, BLOCK=block,
-            num_warps=_row_warps(block),
+            num_warps=_row_warps(block), **pdl_args(x2.device),
         )  # fmt: skip
     return _shaped(act, x.shape), res_out
 
@@ -290,7 +294,7 @@ def _quantize_rows(
         _quantize_rows_kernel[(m, triton.cdiv(n, block))](
             x2, act.data, act.scale, static, static, x2.stride(0), n, _num_scales(act), block, 0,
             SILU=silu, LAYOUT=_LAYOUT[quant.layout], AMAX=_RECOMPUTE, GROUP_SIZE=quant.group,
-            PARTS=1, STEP=block, BLOCK=block, num_warps=_row_warps(block),
+            PARTS=1, STEP=block, BLOCK=block, num_warps=_row_warps(block), **pdl_args(x2.device),
         )  # fmt: skip
     return _shaped(act, (*x.shape[:-1], n))
 
@@ -324,7 +328,8 @@ def _quantize_tokens(x2: torch.Tensor, n: int, act: Fp8Activation, silu: bool, p
     if path == "partials":
         amax = torch.empty((m, parts), dtype=torch.float32, device=x2.device)
         _chunk_amax_kernel[(m, parts)](
-            x2, amax, x2.stride(0), n, parts, SILU=silu, BLOCK=block, num_warps=_row_warps(block)
+            x2, amax, x2.stride(0), n, parts, SILU=silu, BLOCK=block, num_warps=_row_warps(block),
+            **pdl_args(x2.device),
         )
     widest = block if path in ("partials", "whole") else step
     # A whole row of up to 32768 columns: up to 32 warps, so each thread holds <= 32 values.
@@ -334,6 +339,7 @@ def _quantize_tokens(x2: torch.Tensor, n: int, act: Fp8Activation, silu: bool, p
         x2, act.data, act.scale, act.scale, amax, x2.stride(0), n, 1, span, parts,
         SILU=silu, LAYOUT=_LAYOUT["token"], AMAX=source, GROUP_SIZE=1,
         PARTS=triton.next_power_of_2(parts), STEP=step, BLOCK=block, num_warps=warps,
+        **pdl_args(x2.device),
     )  # fmt: skip
 
 

@@ -45,6 +45,7 @@ from common.model.kernels.fused_moe_kernels import (
     sum_slots_kernel,
 )
 from common.model.kernels.moe_align import ONE_PROGRAM_PAIRS, MoEPlan, moe_align
+from common.model.kernels.pdl import pdl_args
 
 __all__ = [
     "AUTO_IMPL",
@@ -201,7 +202,7 @@ def fused_moe_triton(
         plan.num_pairs, blocks, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         EVEN_K=hidden % t1.block_k == 0, BLOCK_N=t1.block_n, BLOCK_K=t1.block_k,
-        num_warps=t1.num_warps, num_stages=t1.num_stages, **common,
+        num_warps=t1.num_warps, num_stages=t1.num_stages, **common, **pdl_args(x.device),
     )  # fmt: skip
     t2 = config.down
     down_kernel[(blocks * triton.cdiv(hidden, t2.block_n),)](
@@ -209,7 +210,7 @@ def fused_moe_triton(
         plan.num_pairs, blocks, hidden, inter,
         h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         EVEN_K=inter % t2.block_k == 0, BLOCK_N=t2.block_n, BLOCK_K=t2.block_k,
-        num_warps=t2.num_warps, num_stages=t2.num_stages, **common,
+        num_warps=t2.num_warps, num_stages=t2.num_stages, **common, **pdl_args(x.device),
     )  # fmt: skip
     _sum_slots(y, plan, None, out)
     return out
@@ -237,7 +238,7 @@ def fused_moe_grouped_mm(
     block = min(1024, triton.next_power_of_2(hidden))
     gather_rows_kernel[(plan.num_rows, triton.cdiv(hidden, block))](
         x, plan.sorted_pairs, rows, plan.num_pairs, hidden, x.stride(0), rows.stride(0),
-        TOP_K=plan.top_k, BLOCK=block,
+        TOP_K=plan.top_k, BLOCK=block, **pdl_args(x.device),
     )  # fmt: skip
     # Rows past the last expert's end (dropped pairs) are left uncomputed; nothing reads them.
     gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=plan.expert_ends)
@@ -277,7 +278,7 @@ def _sum_slots(y: torch.Tensor, plan: MoEPlan, weights: torch.Tensor | None, out
     sum_slots_kernel[(tokens, triton.cdiv(hidden, block))](
         y, plan.pair_rows, weights if weights is not None else y, out,
         hidden, y.stride(0), out.stride(0),
-        TOP_K=plan.top_k, HAS_WEIGHTS=weights is not None, BLOCK=block,
+        TOP_K=plan.top_k, HAS_WEIGHTS=weights is not None, BLOCK=block, **pdl_args(out.device),
     )  # fmt: skip
 
 

@@ -69,6 +69,7 @@ def fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, config: GemvConfig, out) 
     ids = topk_ids.contiguous()
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     t1, t2 = config.gate_up, config.down
+    # Launched without PDL: early-launched programs land unevenly over the SMs (`pdl.py`).
     gate_up_gemv_kernel[(pairs * triton.cdiv(inter, t1.block_n),)](
         x, w13, ids, h, pairs, num_experts, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),

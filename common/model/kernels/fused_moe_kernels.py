@@ -13,6 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from common.model.kernels.pdl import pdl_prologue
+
 
 @triton.jit
 def _tile(pid, blocks_m, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
@@ -38,10 +40,11 @@ def gate_up_kernel(
     x_ptr, w_ptr, sorted_ptr, block_expert_ptr, h_ptr,
     num_pairs, blocks_m, N, K, stride_xm, stride_we, stride_wn, stride_hm,
     TOP_K: tl.constexpr, EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """h[row, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, N + n]) for N = I: the gate column
     and its up column in one program (two accumulators), so SiLU-and-mul is the epilogue."""
+    pdl_prologue(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), blocks_m, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -72,10 +75,11 @@ def down_kernel(
     h_ptr, w_ptr, sorted_ptr, block_expert_ptr, weights_ptr, y_ptr,
     num_pairs, blocks_m, N, K, stride_hm, stride_we, stride_wn, stride_ym,
     TOP_K: tl.constexpr, EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """y[row, n] = routing weight of the row's pair * (h[row] . w[e, n]), N = H; rows holding
     no pair get 0."""
+    pdl_prologue(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), blocks_m, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -100,8 +104,9 @@ def down_kernel(
 
 @triton.jit
 def gather_rows_kernel(x_ptr, sorted_ptr, out_ptr, num_pairs, N, stride_xm, stride_om,
-                       TOP_K: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                       TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """out[row] = x[token of the row's pair], zeros for a row holding no pair."""
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     pair = tl.load(sorted_ptr + row)
@@ -113,9 +118,10 @@ def gather_rows_kernel(x_ptr, sorted_ptr, out_ptr, num_pairs, N, stride_xm, stri
 
 @triton.jit
 def sum_slots_kernel(y_ptr, pair_rows_ptr, weights_ptr, out_ptr, N, stride_ym, stride_om,
-                     TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                     TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """out[t] = sum over j = 0..k-1, in order, of y[pair_rows[t, j]] (times weights[t, j]),
     float32 accumulation; a dropped pair (row -1) adds nothing."""
+    pdl_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.model.kernels.pdl import pdl_args, pdl_prologue
+
 
 def _row_warps(block: int) -> int:
     return 4 if block <= 2048 else 8 if block <= 8192 else 16
@@ -21,10 +23,11 @@ def _row_warps(block: int) -> int:
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x0, stride_x1, stride_r0, stride_r1, inner, n, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # fmt: on
     """Row r of `[outer, inner, n]` (strided) -> contiguous out row r."""
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     a, b = row // inner, row % inner
     offs = tl.arange(0, BLOCK)
@@ -58,6 +61,7 @@ def rms_norm(
             x3, res3, weight, out, res_out,
             x3.stride(0), x3.stride(1), res3.stride(0), res3.stride(1), x3.shape[1], n, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_row_warps(block),
+            **pdl_args(x.device),
         )  # fmt: skip
     return out if residual is None else (out, res_out)
 
@@ -74,7 +78,9 @@ def _as_3d(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, n, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, n, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):  # fmt: skip
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -93,13 +99,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] and n:
         block = min(1024, triton.next_power_of_2(n))
         grid = (x2.shape[0], triton.cdiv(n, block))
-        _silu_and_mul_kernel[grid](x2, out, x2.stride(0), n, BLOCK=block, num_warps=4)
+        _silu_and_mul_kernel[grid](
+            x2, out, x2.stride(0), n, BLOCK=block, num_warps=4, **pdl_args(x.device)
+        )
     return out
 
 
 @triton.jit
-def _rotate_heads(base, stride_h, num_heads, cos, sin,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):  # fmt: skip
+def _rotate_heads(base, stride_h, num_heads, cos, sin, norm_w_ptr, eps,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                  NORM: tl.constexpr):  # fmt: skip
+    """Rotate one token's heads in place; NORM first applies Qwen3's per-head RMSNorm
+    (`norm_w_ptr`, [2 * HALF]) with `_rms_norm_kernel`'s rounding."""
     offs_h = tl.arange(0, BLOCK_H)
     offs = tl.arange(0, BLOCK_HALF)
     mask = (offs_h < num_heads)[:, None] & (offs < HALF)[None, :]
@@ -108,6 +119,13 @@ def _rotate_heads(base, stride_h, num_heads, cos, sin,
     x2 = tl.load(first + HALF, mask=mask, other=0.0)
     dtype = x1.dtype
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    if NORM:
+        squares = tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)
+        rstd = tl.math.rsqrt(squares / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(norm_w_ptr + offs, mask=offs < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(norm_w_ptr + HALF + offs, mask=offs < HALF, other=0.0).to(tl.float32)[None, :]
+        x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     tl.store(first, (x1 * cos - x2 * sin).to(dtype), mask=mask)
     tl.store(first + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
 
@@ -115,18 +133,22 @@ def _rotate_heads(base, stride_h, num_heads, cos, sin,
 # fmt: off
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr,
+    q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, num_q_heads, num_k_heads,
     HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    NORM: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     # fmt: on
+    pdl_prologue(PDL)
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     offs = tl.arange(0, BLOCK_HALF)
     cos = tl.load(cos_ptr + pos * stride_cos + offs, mask=offs < HALF, other=0.0)[None, :]
     sin = tl.load(sin_ptr + pos * stride_cos + offs, mask=offs < HALF, other=0.0)[None, :]
-    _rotate_heads(q_ptr + tok * stride_qt, stride_qh, num_q_heads, cos, sin, HALF, BLOCK_HQ, BLOCK_HALF)
-    _rotate_heads(k_ptr + tok * stride_kt, stride_kh, num_k_heads, cos, sin, HALF, BLOCK_HK, BLOCK_HALF)
+    _rotate_heads(q_ptr + tok * stride_qt, stride_qh, num_q_heads, cos, sin, q_norm_ptr, eps,
+                  HALF, BLOCK_HQ, BLOCK_HALF, NORM)  # fmt: skip
+    _rotate_heads(k_ptr + tok * stride_kt, stride_kh, num_k_heads, cos, sin, k_norm_ptr, eps,
+                  HALF, BLOCK_HK, BLOCK_HALF, NORM)  # fmt: skip
 
 
 def apply_rotary(
@@ -135,21 +157,31 @@ def apply_rotary(
     positions: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q `[T, H, D]` and k `[T, Hk, D]` in place (neox halves); returns (q, k).
 
-    `cos`/`sin` are fp32 `[max_positions, D // 2]` tables with equal strides.
+    `cos`/`sin` are fp32 `[max_positions, D // 2]` tables with equal strides. `qk_norm`
+    (q weight, k weight, eps): each head is RMS-normalised first, in the same launch (Qwen3's
+    q_norm and k_norm; weights [D] in q's dtype).
     """
     if q.stride(-1) != 1 or k.stride(-1) != 1 or cos.stride() != sin.stride() or cos.stride(1) != 1:
         raise ValueError("rotary needs the last dim of q, k, cos and sin contiguous")
     half = q.shape[-1] // 2
+    q_w, k_w, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
+    if qk_norm is not None and not (q_w.shape == k_w.shape == (q.shape[-1],)
+                                    and q_w.dtype == k_w.dtype == q.dtype == k.dtype):  # fmt: skip
+        raise ValueError(
+            f"qk_norm weights must be [{q.shape[-1]}] in {q.dtype}, got {q_w.dtype} "
+            f"{tuple(q_w.shape)} and {k_w.dtype} {tuple(k_w.shape)}"
+        )
     if q.shape[0]:
         _rotary_kernel[(q.shape[0],)](
-            q, k, positions, cos, sin,
+            q, k, positions, cos, sin, q_w, k_w, eps,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), q.shape[1], k.shape[1],
             HALF=half, BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
             BLOCK_HK=triton.next_power_of_2(k.shape[1]), BLOCK_HALF=triton.next_power_of_2(half),
-            num_warps=4,
+            NORM=qk_norm is not None, num_warps=4, **pdl_args(q.device),
         )  # fmt: skip
     return q, k
 
@@ -178,9 +210,10 @@ def _write_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, k_scale, v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch, num_heads,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # fmt: on
+    pdl_prologue(PDL)  # before the early return: a waiting kernel must not end first
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + tok).to(tl.int64)
     if slot < 0:  # padding token: nothing to write
@@ -235,5 +268,5 @@ def write_kv(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), num_heads,
         PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        KV_FP8=kv_fp8, num_warps=4,
+        KV_FP8=kv_fp8, num_warps=4, **pdl_args(k.device),
     )  # fmt: skip

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.model.kernels.pdl import pdl_args, pdl_prologue
+
 # Up to this many pairs one launch builds the plan. H200, Qwen3-30B-A3B (k = 8): one launch
 # 6.6 / 16.9 us at 8 / 256 pairs against 9.2 / 20.0 for three, but 51.3 against 22.7 at 1024.
 ONE_PROGRAM_PAIRS = 256
@@ -95,17 +97,19 @@ def moe_align(
     if one_program:
         _align_kernel[(1,)](
             ids, plan.pair_rows, *layout, rows, num_experts, **tiles, SUB=sub, TILE=_TILE,
-            num_warps=ONE_PROGRAM_WARPS,
+            num_warps=ONE_PROGRAM_WARPS, **pdl_args(device),
         )  # fmt: skip
         return plan
     programs = triton.cdiv(num_pairs, PAIRS_PER_PROGRAM)
     partial = torch.empty(programs, e_pad, dtype=torch.int32, device=device)
     per = PAIRS_PER_PROGRAM
-    _count_kernel[(programs,)](ids, partial, num_pairs, per, num_experts, E_PAD=e_pad, SUB=sub)
-    _offsets_kernel[(1,)](partial, *layout, num_experts, programs, **tiles)
+    _count_kernel[(programs,)](
+        ids, partial, num_pairs, per, num_experts, E_PAD=e_pad, SUB=sub, **pdl_args(device)
+    )
+    _offsets_kernel[(1,)](partial, *layout, num_experts, programs, **tiles, **pdl_args(device))
     _place_kernel[(programs,)](
         ids, partial, plan.sorted_pairs, plan.pair_rows, plan.expert_ends,
-        num_pairs, rows, num_experts, per, E_PAD=e_pad, SUB=sub, TILE=_TILE,
+        num_pairs, rows, num_experts, per, E_PAD=e_pad, SUB=sub, TILE=_TILE, **pdl_args(device),
     )  # fmt: skip
     return plan
 
@@ -181,7 +185,8 @@ def _fill_tail(sorted_ptr, lo, hi, step, num_pairs, TILE: tl.constexpr):
 def _align_kernel(ids_ptr, pair_rows_ptr, sorted_ptr, ends_ptr, block_expert_ptr,
                   num_pairs, num_blocks, num_rows, E,
                   E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BM_PAD: tl.constexpr,
-                  BT: tl.constexpr, SUB: tl.constexpr, TILE: tl.constexpr):  # fmt: skip
+                  BT: tl.constexpr, SUB: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    pdl_prologue(PDL)
     counts = _count_pairs(ids_ptr, 0, num_pairs, E, E_PAD, SUB)
     starts, total = _layout(counts, sorted_ptr, ends_ptr, block_expert_ptr, num_pairs,
                             num_blocks, E, E_PAD, BLOCK_M, BM_PAD, BT)  # fmt: skip
@@ -191,8 +196,9 @@ def _align_kernel(ids_ptr, pair_rows_ptr, sorted_ptr, ends_ptr, block_expert_ptr
 
 @triton.jit
 def _count_kernel(ids_ptr, partial_ptr, num_pairs, per_program, E,
-                  E_PAD: tl.constexpr, SUB: tl.constexpr):  # fmt: skip
+                  E_PAD: tl.constexpr, SUB: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """partial[p] = expert counts of program p's pairs."""
+    pdl_prologue(PDL)
     p = tl.program_id(0)
     lo = p * per_program
     hi = tl.minimum(lo + per_program, num_pairs)
@@ -204,9 +210,10 @@ def _count_kernel(ids_ptr, partial_ptr, num_pairs, per_program, E,
 def _offsets_kernel(partial_ptr, sorted_ptr, ends_ptr, block_expert_ptr,
                     num_pairs, num_blocks, E, programs,
                     E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BM_PAD: tl.constexpr,
-                    BT: tl.constexpr):  # fmt: skip
+                    BT: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """The layout from all programs' counts; partial[p] becomes program p's first row per
     expert (its expert's group start plus the pairs of earlier programs)."""
+    pdl_prologue(PDL)
     experts = tl.arange(0, E_PAD)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for p0 in range(0, programs, BT):
@@ -226,8 +233,9 @@ def _offsets_kernel(partial_ptr, sorted_ptr, ends_ptr, block_expert_ptr,
 @triton.jit
 def _place_kernel(ids_ptr, partial_ptr, sorted_ptr, pair_rows_ptr, ends_ptr,
                   num_pairs, num_rows, E, per_program,
-                  E_PAD: tl.constexpr, SUB: tl.constexpr, TILE: tl.constexpr):  # fmt: skip
+                  E_PAD: tl.constexpr, SUB: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """Program p places its pairs and fills its share of the tail (every P-th tile)."""
+    pdl_prologue(PDL)
     p = tl.program_id(0)
     lo = p * per_program
     hi = tl.minimum(lo + per_program, num_pairs)

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from common.model.kernels.pdl import pdl_args, pdl_prologue
 from common.model.spec import MoESpec
 
 TICKETS = 1024  # token blocks a split launch may have (more blocks never split)
@@ -104,7 +105,7 @@ def route(
         SIGMOID=moe.scoring == "sigmoid", RENORM=moe.renormalize,
         HAS_BIAS=correction_bias is not None, NUM_GROUPS=moe.num_groups,
         G_PAD=triton.next_power_of_2(moe.num_groups), TOPK_GROUPS=moe.topk_groups,
-        TOP2_SUM=moe.group_score == "top2_sum", num_warps=tiles.num_warps,
+        TOP2_SUM=moe.group_score == "top2_sum", num_warps=tiles.num_warps, **pdl_args(device),
     )  # fmt: skip
     return weights, ids
 
@@ -233,10 +234,11 @@ def _route_kernel(
     SPLITS: tl.constexpr, USE_DOT: tl.constexpr, CAST_F32: tl.constexpr, EVEN_K: tl.constexpr,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr,
     HAS_BIAS: tl.constexpr, NUM_GROUPS: tl.constexpr, G_PAD: tl.constexpr,
-    TOPK_GROUPS: tl.constexpr, TOP2_SUM: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr, TOP2_SUM: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program (token block b, slice s): the logits of b's tokens for experts
     [s * E_SLICE, (s + 1) * E_SLICE); the block's selection by the program that completes it."""
+    pdl_prologue(PDL)
     block = tl.program_id(0)
     tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.program_id(1) * E_SLICE + tl.arange(0, E_SLICE)

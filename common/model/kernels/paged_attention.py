@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.model.kernels.pdl import pdl_args, pdl_prologue
+
 LOG2E = math.log2(math.e)
 # A decode split covers at least this many keys: below it the extra partial writes and the
 # reduce cost more than the parallelism gains.
@@ -194,7 +196,7 @@ def _decode_kernel(
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, KV_FP8: tl.constexpr,
-    GROUPED: tl.constexpr, FP16_PRODUCTS: tl.constexpr,
+    GROUPED: tl.constexpr, FP16_PRODUCTS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # fmt: on
     """Grid (num_rows, kv_heads, num_splits). The sequence length comes from device memory.
@@ -210,6 +212,7 @@ def _decode_kernel(
     r // GROUP), walks the keys of the run's last (longest) row once, masks each tile row at
     its own row's length and writes every row's output or partials at that row's index.
     """
+    pdl_prologue(PDL)  # before the early return: a waiting kernel must not end first
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -278,9 +281,11 @@ def _decode_kernel(
 def _decode_reduce_kernel(
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, stride_ot, stride_oh, num_splits,
     SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # fmt: on
     """Grid (num_seqs, num_heads): rescale each split's partial sums to the global max, add."""
+    pdl_prologue(PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_P2)
@@ -538,11 +543,11 @@ def paged_decode_attention(
         scale_log2, v_scale, *strides, GROUP=group, BLOCK_M=block_m, PAGE_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, SINGLE_SPLIT=num_splits == 1,
         KV_FP8=kv_fp8, GROUPED=grouped, FP16_PRODUCTS=fp16, num_warps=num_warps,
-        num_stages=num_stages,
+        num_stages=num_stages, **pdl_args(q.device),
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, *parts, out.stride(0), out.stride(1), num_splits,
             SPLITS_P2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
-            num_warps=4,
+            num_warps=4, **pdl_args(q.device),
         )  # fmt: skip

@@ -114,12 +114,25 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin() * scale, persistent=False)
         self.interleaved = rope.interleaved
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """Returns the rotated (q, k); on CUDA they are rotated in place (`ops.apply_rotary`),
-        unless interleaved (rotated copies)."""
+    def forward(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
+    ):
+        """Returns the rotated (q, k), each head first normalised by `qk_norm` (Qwen3's q_norm
+        and k_norm; one launch with the rotation on CUDA); on CUDA they are rotated in place
+        (`ops.apply_rotary`), unless interleaved (rotated copies)."""
+        norms = None
+        if qk_norm is not None:
+            q_norm, k_norm = qk_norm
+            norms = (q_norm.weight, k_norm.weight, q_norm.eps)
         if self.interleaved:
+            if norms is not None:  # normalised in the checkpoint's pair order
+                q, k, norms = q_norm(q), k_norm(k), None
             q, k = _pairs_to_halves(q), _pairs_to_halves(k)
-        return ops.apply_rotary(q, k, positions, self.cos, self.sin)
+        return ops.apply_rotary(q, k, positions, self.cos, self.sin, norms)
 
 
 def _pairs_to_halves(x: torch.Tensor) -> torch.Tensor:
