@@ -32,7 +32,7 @@ def profile_dir() -> Path | None:
 
 
 def pdl() -> bool:
-    """Programmatic dependent launch of the decode step's Triton kernels on Hopper and later
+    """Programmatic dependent launch of the Triton kernels in CUDA graphs, Hopper and later
     (PDSERVE_PDL, default on; "0" turns it off: A/B runs, and per-kernel profiles, whose times
     would count each kernel's wait for the one before). See `common/model/kernels/pdl.py`."""
     return os.environ.get("PDSERVE_PDL", "1") != "0"

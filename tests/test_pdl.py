@@ -1,6 +1,7 @@
-"""Programmatic dependent launch (`common/model/kernels/pdl.py`): when it is on, and, on a Hopper
-GPU, that a chain of the decode step's kernels replayed from a CUDA graph with PDL gives the same
-bits as without it (each kernel waits for the one before it before reading)."""
+"""Programmatic dependent launch (`common/model/kernels/pdl.py`): when it is on (CUDA graph
+captures on Hopper only), and, on a Hopper GPU, that a chain of the decode step's kernels
+replayed from a CUDA graph with PDL gives the same bits as without it (each kernel waits for the
+one before it before reading)."""
 
 from __future__ import annotations
 
@@ -15,22 +16,36 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+from common.model.graph_capture import recording_graphs  # noqa: E402
 from common.model.kernels import pdl  # noqa: E402
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
 def test_off_on_cpu_and_when_switched_off(monkeypatch):
-    assert pdl.pdl_args(torch.device("cpu")) == {}
-    assert not pdl.pdl_enabled(torch.device("cpu"))
-    monkeypatch.setenv("PDSERVE_PDL", "0")
-    assert not pdl.pdl_enabled(torch.device("cuda", 0))
-    assert pdl.pdl_args(torch.device("cuda", 0)) == {}
+    with recording_graphs():
+        assert pdl.pdl_args(torch.device("cpu")) == {}
+        assert not pdl.pdl_enabled(torch.device("cpu"))
+        monkeypatch.setenv("PDSERVE_PDL", "0")
+        assert not pdl.pdl_enabled(torch.device("cuda", 0))
+        assert pdl.pdl_args(torch.device("cuda", 0)) == {}
+
+
+def test_recording_graphs_nests_and_ends():
+    from common.model import graph_capture
+
+    assert not graph_capture.recording()
+    with recording_graphs():
+        with recording_graphs():
+            assert graph_capture.recording()
+        assert graph_capture.recording()
+    assert not graph_capture.recording()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU answer")
 def test_off_without_cuda():
-    assert not pdl.pdl_enabled(torch.device("cuda", 0))
+    with recording_graphs():
+        assert not pdl.pdl_enabled(torch.device("cuda", 0))
 
 
 def _chain(layers, h, quant):
@@ -73,11 +88,14 @@ def test_graph_with_pdl_equals_without(monkeypatch, m):
     outs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("PDSERVE_PDL", flag)
-        assert pdl.pdl_enabled(dev) == (flag == "1")
-        _chain(layers, h0, quant)  # compile outside the capture
+        assert not pdl.pdl_enabled(dev)  # never outside a graph capture
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = _chain(layers, h0, quant)
+        with recording_graphs():
+            assert pdl.pdl_enabled(dev) == (flag == "1")
+            _chain(layers, h0, quant)  # the warm-up: compiles what the capture launches
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                out = _chain(layers, h0, quant)
         replays = []
         for _ in range(20):
             graph.replay()

@@ -30,6 +30,7 @@ import torch
 
 from common.engine.kv_cache import KVCache
 from common.model.attention import AttentionBackend, AttentionMetadata, ForwardContext
+from common.model.graph_capture import recording_graphs
 from common.model.registry import CausalLM
 
 log = logging.getLogger(__name__)
@@ -227,13 +228,14 @@ class DecodeGraphs:
         for grouped in (False, True) if self.rows_max > 1 else (False,):
             graphs = self.grouped_graphs if grouped else self.graphs
             for bs in reversed(self.sizes):
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    self._forward(bs, grouped)  # warm-up: lazy init, autotuning out of the graph
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._forward(bs, grouped)
+                with recording_graphs():  # the kernels' PDL launches (kernels/pdl.py)
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        self._forward(bs, grouped)  # warm-up: lazy init, compiles, out of graph
+                    torch.cuda.current_stream().wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self._forward(bs, grouped)
                 graphs[bs] = graph
         torch.cuda.synchronize()
         used = torch.cuda.memory_reserved() - before + self.logits.numel() * 4

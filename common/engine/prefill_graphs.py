@@ -26,6 +26,7 @@ from common.engine.cuda_graphs import STAGING_DEPTH, Replay, StagingRing, carry_
 from common.engine.kv_cache import KVCache
 from common.model.attention import AttentionBackend, AttentionMetadata, ForwardContext
 from common.model.attention.base import LatentProjection
+from common.model.graph_capture import recording_graphs
 from common.model.registry import CausalLM
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,8 @@ class PrefillGraphs:
         side = torch.cuda.Stream()
         for bucket in reversed(self.buckets):
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+            # The kernels' PDL launches (kernels/pdl.py), warm-up included: it compiles them.
+            with torch.cuda.stream(side), recording_graphs():
                 self._run(bucket, _Boundary(self, bucket, None))  # warm-up, autotune
                 torch.cuda.synchronize()
                 boundary = _Boundary(self, bucket, None, pool=pool)

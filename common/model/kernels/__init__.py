@@ -8,6 +8,7 @@
 - `block_copy`: KV blocks (whole, or a range of KV heads) from one pool into another, across
   GPUs too (cuda_ipc).
 - `sampling`: the sampler's exponential race and exact top-p threshold, one program per row.
+- `pdl`: programmatic dependent launch for the kernels that CUDA graphs record.
 
 `triton.jit` decides at decoration time whether a kernel is compiled or interpreted, so these
 modules are imported only by the code that launches them (`common.model.ops`, the triton attention
