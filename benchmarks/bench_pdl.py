@@ -21,7 +21,6 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -85,20 +84,6 @@ def capture(fn):
     return graph, out
 
 
-def time_graph(graph, reps):
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -125,7 +110,7 @@ def main() -> int:
             for mode, flag in MODES.items():
                 os.environ["PDSERVE_PDL"] = flag
                 graph, out = capture(functools.partial(chain, layers, quant, h0))
-                ms = time_graph(graph, args.reps)
+                ms = roofline.time_fn(graph.replay, args.reps, True) * 1e3
                 outs[mode] = out.clone()
                 best[mode] = min(best.get(mode, float("inf")), ms)
                 del graph

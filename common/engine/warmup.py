@@ -25,7 +25,10 @@ host blocks.
 Not covered (still compiled or set up on first use): each new grammar (xgrammar compiles a
 schema on the host), torch kernels chosen by shapes not run here (a `top_k` far from 40-50),
 and forwards outside the captured graphs: eager or piecewise prefill steps, whose attention
-kernels specialize on their shapes, and every step under `--enforce-eager`.
+kernels specialize on their shapes, and every step under `--enforce-eager`. On Hopper their
+kernels are also other binaries than the captured ones, which launch with PDL
+(`common/model/kernels/pdl.py`): a first prompt longer than `--prefill-graph-max-tokens`
+compiles its eager variants (Triton's disk cache keeps them for later processes).
 """
 
 from __future__ import annotations
