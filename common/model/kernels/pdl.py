@@ -63,15 +63,13 @@ def pdl_enabled(device: torch.device) -> bool:
     """PDL for a kernel launched on `device` now: CUDA, sm90+, a Triton with grid dependency
     control, `envs.pdl()`, and inside `graph_capture.recording_graphs()`. Read at each launch,
     so a graph keeps what held when it was captured."""
-    if device.type != "cuda" or not _HAVE_GDC or triton.knobs.runtime.interpret:
-        return False
-    if not envs.pdl() or not torch.cuda.is_available():
-        return False
     # Only into CUDA graphs (and the eager warm-up before each capture, so the kernels it
     # compiles are the ones captured): launched eagerly, as prefill steps past the graph
     # buckets are, PDL gained nothing and cost time (a 2k-token FP8 prefill on an H200: 44-51
-    # ms against 33 ms without).
-    if not graph_capture.recording():
+    # ms against 33 ms without). Checked first: every eager launch asks.
+    if not graph_capture.recording() or device.type != "cuda" or not _HAVE_GDC:
+        return False
+    if triton.knobs.runtime.interpret or not envs.pdl() or not torch.cuda.is_available():
         return False
     return _device_supports(device.index if device.index is not None else 0)
 
