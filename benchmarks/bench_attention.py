@@ -18,7 +18,8 @@ over 200 MB, so no call finds its keys in L2) share one block table. One CUDA gr
 decode call per layer (with the split count `decode_num_splits` gives the engine); us_per_call
 = median replay / layers. floor_us = the KV bytes of the call at the copy rate measured in the
 same run (bytes read + written per second by a large device copy); floor_frac = floor / time.
-Prefill: one fresh causal prompt of N tokens per layer call, eager, CUDA events; tflops counts
+Prefill: one fresh causal prompt of N tokens per layer call, eager, CUDA events (on CUDA, the
+`fresh` row: the same prompt through `fresh_prefill`, SDPA's FlashAttention-2); tflops counts
 4 * head_dim * heads * N (N + 1) / 2 multiply-adds x 2. Every variant's first decode call and
 each prefill is checked against fp32 attention over the dequantized cache (`max_err`); beyond
 --tol the run exits 1. Leaves out: the KV write, rotary and the rest of a layer.
@@ -205,7 +206,38 @@ def prefill_rows(args, device, bf16_rate: float | None) -> list[dict]:
                            max_err=round(err, 5))  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+            if name == "bf16" and cuda:
+                rows.append(fresh_row(q, kc, vc, out, table, n, sm_scale, args, bf16_rate))
     return rows
+
+
+def fresh_row(q, kc, vc, out, table, n, sm_scale, args, bf16_rate) -> dict:
+    """The same prompt through `fresh_prefill` (SDPA's FlashAttention-2 over the fresh k and v,
+    gathered here from the cache), as the triton backend runs a long fresh prompt."""
+    from benchmarks.roofline import time_fn
+    from common.model.attention.base import AttentionMetadata
+    from common.model.attention.fresh_prefill import fresh_prefill
+
+    pos = torch.arange(n, device=q.device)
+    slots = table[0].long()[pos // PAGE] * PAGE + pos % PAGE
+    k, v = kc.flatten(0, 1)[slots], vc.flatten(0, 1)[slots]
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=q.device),
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=q.device), block_tables=table,
+        slot_mapping=slots, query_lens_cpu=[n], seq_lens_cpu=[n], max_query_len=n,
+        max_seq_len=n,
+    )  # fmt: skip
+    call = functools.partial(fresh_prefill, q, k, v, meta, sm_scale)
+    out.copy_(call())
+    err = prefill_error(q, kc, vc, out, table, n, sm_scale)
+    seconds = time_fn(call, args.reps, True)
+    flops = 4 * args.head_dim * args.heads * n * (n + 1) / 2
+    row = dict(kind="prefill", variant="fresh", tokens=n, block_n=0, warps=0, stages=0, rows=0,
+               ms=round(seconds * 1e3, 3), tflops=round(flops / seconds / 1e12, 1),
+               bf16_frac=bf16_rate and round(flops / seconds / bf16_rate, 3),
+               max_err=round(err, 5))  # fmt: skip
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def prefill_error(q, kc, vc, out, table, n, sm_scale) -> float:

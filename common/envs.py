@@ -38,6 +38,13 @@ def pdl() -> bool:
     return os.environ.get("PDSERVE_PDL", "1") != "0"
 
 
+def fresh_prefill() -> bool:
+    """Prefill steps of fresh prompts through PyTorch's FlashAttention varlen kernel
+    (PDSERVE_FRESH_PREFILL, default on; "0" keeps every prefill on the paged Triton kernel: A/B
+    runs). See `common/model/attention/fresh_prefill.py`."""
+    return os.environ.get("PDSERVE_FRESH_PREFILL", "1") != "0"
+
+
 def api_key() -> str | None:
     """The router's API key when --api-key is not given (PDSERVE_API_KEY; unset or empty: none)."""
     return os.environ.get("PDSERVE_API_KEY") or None

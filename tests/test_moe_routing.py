@@ -351,3 +351,24 @@ def test_fp8_experts_are_refused_with_the_architecture_named():
     method = linear_method_for(spec, "fp8", "dummy")
     with torch.device("meta"), pytest.raises(ValueError, match="Qwen3MoeForCausalLM: quantized"):
         LlamaForCausalLM(spec, 64, linear_method=method)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_float32_logits_are_the_float32_matmul_of_the_same_values(device):
+    """Large steps' router logits (`float32_logits`): on CUDA a 16-bit GEMM with a float32
+    output, equal to the widened float32 matmul up to the order of its sums; on CPU that
+    matmul itself."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from common.model.layers.moe import float32_logits
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4096, 2048, generator=gen).to(device, torch.bfloat16)
+    w = (0.02 * torch.randn(128, 2048, generator=gen)).to(device, torch.bfloat16)
+    logits = float32_logits(x, w)
+    want = torch.nn.functional.linear(x.float(), w.float())
+    assert logits.dtype == torch.float32
+    if device == "cpu":
+        assert torch.equal(logits, want)
+    else:
+        assert (logits - want).abs().max().item() <= 1e-5 * want.abs().max().item()

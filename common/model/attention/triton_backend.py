@@ -1,5 +1,7 @@
 """Attention on our Triton kernels (`common.model.kernels`): fused KV write, then paged prefill or
-split-K decode. Runs compiled on CUDA and, under `TRITON_INTERPRET=1`, on CPU (tests).
+split-K decode; a step of fresh prompts on CUDA attends through PyTorch's FlashAttention varlen
+kernel instead (`fresh_prefill`). Runs compiled on CUDA and, under `TRITON_INTERPRET=1`, on CPU
+(tests).
 
 CUDA-graph contract of the decode path: on the host it uses only tensor shapes and
 `metadata.max_seq_len` (an upper bound that picks the split count); per-sequence lengths are
@@ -27,6 +29,7 @@ from common.model.attention.base import (
     DecodeOrPrefillBackend,
     LatentProjection,
 )
+from common.model.attention.fresh_prefill import fresh_prefill, takes_fresh_path
 from common.model.attention.mla_prefill import (
     compact_batch,
     context_rows,
@@ -56,6 +59,18 @@ class TritonAttentionBackend(DecodeOrPrefillBackend):
         self._split: tuple[AttentionMetadata, list[int], tuple | None] | None = None
 
     write_kv = staticmethod(write_kv)
+
+    def forward(
+        self, q, k, v, k_cache, v_cache, metadata: AttentionMetadata, scale: float,
+        k_scale: float = 1.0, v_scale: float = 1.0,
+    ):  # fmt: skip
+        """As `DecodeOrPrefillBackend.forward`, but a step of fresh prompts attends over its
+        new k and v through FlashAttention (`fresh_prefill`); the cache is written first all
+        the same."""
+        if metadata.is_decode_only or not takes_fresh_path(q, k_cache, metadata):
+            return super().forward(q, k, v, k_cache, v_cache, metadata, scale, k_scale, v_scale)
+        self.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
+        return fresh_prefill(q, k, v, metadata, scale)
 
     def decode(
         self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float,
