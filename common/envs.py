@@ -39,7 +39,7 @@ def pdl() -> bool:
 
 
 def fresh_prefill() -> bool:
-    """Prefill steps of fresh prompts through PyTorch's FlashAttention varlen kernel
+    """Prefill steps of long fresh prompts through PyTorch's fused SDPA kernel
     (PDSERVE_FRESH_PREFILL, default on; "0" keeps every prefill on the paged Triton kernel: A/B
     runs). See `common/model/attention/fresh_prefill.py`."""
     return os.environ.get("PDSERVE_FRESH_PREFILL", "1") != "0"

@@ -1,17 +1,20 @@
-"""Prefill of long fresh prompts through PyTorch's FlashAttention-2 (SDPA's flash backend).
+"""Prefill of long fresh prompts through PyTorch's fused attention (SDPA; cuDNN's on an H200).
 
 A prefill step whose sequences all start at position 0 (no cached prefix, no earlier chunk)
 attends only over its own new tokens, and those are at hand as the projections computed them.
-For long prompts FlashAttention-2 does that faster than our paged Triton kernel, which reads the
-same keys back through the block table: on one H200, 8192 tokens with 32 query and 4 KV heads
-of 128 took 0.97 ms a layer through SDPA against 1.40-1.54 ms, and 2048 tokens 0.117 against
-0.170 ms (`bench_attention.py`; `docs/benchmarks.md`, "Prefill attention"). The step's KV is still written to the cache
-first: decode and later chunks read it there.
+For long prompts SDPA's fused kernel does that faster than our paged Triton kernel, which reads
+the same keys back through the block table. On one H200 (32 query and 4 KV heads of 128;
+`bench_attention.py`, `docs/benchmarks.md`, FP8 section, sixth round): 8192 tokens took 0.95-0.97
+ms a layer against 1.50-1.54 ms (1.40 with the best tiles of a sweep), 2048 tokens 0.12 against
+0.14-0.17 ms. The step's KV is still written to the cache first: decode and later chunks read
+it there.
 
 It runs one SDPA call per sequence, on [1, heads, n, d] views of the step's rows (no copies;
-GQA through `enable_gqa`, no repeated K/V heads). torch's varlen entry point
-(`torch.nn.attention.varlen.varlen_attn`) would take the whole step in one call, but in torch
-2.11 it ran the same 8k layer in 1.78 ms: its kernel instance handles ragged tiles everywhere.
+GQA through `enable_gqa`, no repeated K/V heads); with torch 2.11 on the H200, SDPA picks cuDNN's
+attention for these shapes. torch's varlen entry point (`torch.nn.attention.varlen.varlen_attn`,
+FlashAttention-2) would take the whole step in one call, but it ran the same 8k layer in 1.78
+ms. Attention runs eagerly in prefill graphs too (`common/engine/prefill_graphs.py`), so the
+choice is made per step.
 
 Which steps take it (`takes_fresh_path`): CUDA; a bf16 or fp16 q, and a cache of q's dtype or
 FP8; head_dim <= 256; every sequence fresh (`seq_lens_cpu == query_lens_cpu`); at most
@@ -25,8 +28,6 @@ later chunks, prefix hits) reads the rounded cache. So a prompt's prefill logits
 the cache's rounding, and a prompt prefilled in chunks differs slightly from one prefilled
 whole. `benchmarks/perplexity.py` reads K and V back from the cache in every window, the
 rounding that decode sees.
-Attention runs eagerly in prefill graphs too (`common/engine/prefill_graphs.py`), so the
-choice is made per step.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ import torch.nn.functional as F
 from common import envs
 from common.model.attention.base import AttentionMetadata
 
-MAX_HEAD_DIM = 256  # FlashAttention-2's largest head size
-MIN_TOKENS = 2048  # the longest prompt of the step (2048 tokens: 0.117 against 0.170 ms)
+MAX_HEAD_DIM = 256  # beyond it SDPA has no fused kernel and would fall back to its math path
+MIN_TOKENS = 2048  # the longest prompt of the step; at 1024 tokens the kernels were even
 MAX_SEQUENCES = 8  # one SDPA launch each, per layer
 
 

@@ -1,5 +1,5 @@
 """Attention on our Triton kernels (`common.model.kernels`): fused KV write, then paged prefill or
-split-K decode; a step of fresh prompts on CUDA attends through PyTorch's FlashAttention varlen
+split-K decode; a step of long fresh prompts on CUDA attends through PyTorch's fused SDPA
 kernel instead (`fresh_prefill`). Runs compiled on CUDA and, under `TRITON_INTERPRET=1`, on CPU
 (tests).
 
@@ -65,7 +65,7 @@ class TritonAttentionBackend(DecodeOrPrefillBackend):
         k_scale: float = 1.0, v_scale: float = 1.0,
     ):  # fmt: skip
         """As `DecodeOrPrefillBackend.forward`, but a step of fresh prompts attends over its
-        new k and v through FlashAttention (`fresh_prefill`); the cache is written first all
+        new k and v through SDPA (`fresh_prefill`); the cache is written first all
         the same."""
         if metadata.is_decode_only or not takes_fresh_path(q, k_cache, metadata):
             return super().forward(q, k, v, k_cache, v_cache, metadata, scale, k_scale, v_scale)
