@@ -19,7 +19,7 @@ decode call per layer (with the split count `decode_num_splits` gives the engine
 = median replay / layers. floor_us = the KV bytes of the call at the copy rate measured in the
 same run (bytes read + written per second by a large device copy); floor_frac = floor / time.
 Prefill: one fresh causal prompt of N tokens per layer call, eager, CUDA events (on CUDA, the
-`fresh` row: the same prompt through `fresh_prefill`, SDPA's FlashAttention-2); tflops counts
+`fresh` row: the same prompt through `fresh_prefill`, PyTorch's SDPA); tflops counts
 4 * head_dim * heads * N (N + 1) / 2 multiply-adds x 2. Every variant's first decode call and
 each prefill is checked against fp32 attention over the dequantized cache (`max_err`); beyond
 --tol the run exits 1. Leaves out: the KV write, rotary and the rest of a layer.
@@ -212,8 +212,8 @@ def prefill_rows(args, device, bf16_rate: float | None) -> list[dict]:
 
 
 def fresh_row(q, kc, vc, out, table, n, sm_scale, args, bf16_rate) -> dict:
-    """The same prompt through `fresh_prefill` (SDPA's FlashAttention-2 over the fresh k and v,
-    gathered here from the cache), as the triton backend runs a long fresh prompt."""
+    """The same prompt through `fresh_prefill` (PyTorch's SDPA over the fresh k and v, gathered
+    here from the cache), as the triton backend runs a long fresh prompt."""
     from benchmarks.roofline import time_fn
     from common.model.attention.base import AttentionMetadata
     from common.model.attention.fresh_prefill import fresh_prefill

@@ -1,4 +1,4 @@
-"""Fresh-prompt prefill through PyTorch's FlashAttention varlen kernel
+"""Long fresh prompts' prefill through PyTorch's SDPA
 (`common/model/attention/fresh_prefill.py`): which steps take it (CPU), and on a GPU that it
 gives what the paged Triton kernel gives over the same written cache, through the backend."""
 
@@ -90,7 +90,7 @@ def test_fresh_path_equals_the_paged_kernel(
     kv = torch.randn(tokens, 2, kv_heads, head_dim, dtype=dtype, device="cuda")
     k, v = kv[:, 0], kv[:, 1]
     pages = sum(-(-n // PAGE) for n in lens)
-    scale = 0.7 / head_dim**0.5  # not FlashAttention's default
+    scale = 0.7 / head_dim**0.5  # not SDPA's default
     slots = torch.cat([meta.slot_mapping, torch.full((3,), -1, device="cuda")])
     padded = dataclasses.replace(meta, slot_mapping=slots)
     outs = []
