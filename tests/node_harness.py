@@ -4,11 +4,15 @@ A node runs on a tiny random Qwen2 (CPU, eager); the test plays its peers with r
 the router (a PULL socket for the node's events), the other node (a PULL socket for its
 control messages) and, for a prefill node, the decode node's KV receiver (a real
 `ZmqReceiver` on a pool shaped like the node's). Tests drive a node by `handle` and `step`.
+`NodePair` runs both nodes (or one colocated decode node) on any saved model, the test being
+the router.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -17,7 +21,15 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from common.engine.config import CacheConfig, EngineConfig, ModelConfig
 from common.node.config import NodeConfig
-from common.protocol.messages import DecodeRequest, FirstToken, PrefillRequest, Reservation, decode
+from common.protocol.messages import (
+    DecodeRequest,
+    FirstToken,
+    PrefillRequest,
+    RequestError,
+    Reservation,
+    TokenBatch,
+    decode,
+)
 from common.protocol.sampling_params import SamplingParams
 from decode_node.node import DecodeNode
 from decode_node.request import Phase
@@ -175,3 +187,76 @@ class DecodeHarness:
         self.node.channel.close()
         self.router.close(linger=0)
         self.prefill.close(linger=0)
+
+
+def node_config(tmp_path, name: str, router: str, **fields) -> NodeConfig:
+    return NodeConfig(control_address=f"ipc://{tmp_path}/{name}", router_address=router, **fields)
+
+
+def drain(sock: zmq.Socket) -> Iterator[object]:
+    while True:
+        try:
+            yield decode(sock.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            return
+
+
+class NodePair:
+    """A decode node (colocated, or paired with a prefill node over zmq) in this process, on
+    the model in `folder`; the test is the router: it sends the requests, each with `params`,
+    and reads the tokens from a real PULL socket."""
+
+    def __init__(
+        self, folder: str, tmp_path, params: SamplingParams, colocated: bool = False,
+        decode_tp: int = 1,
+    ):  # fmt: skip
+        self.params = params
+        mode = "colocated" if colocated else "pd"
+        router = f"ipc://{tmp_path}/router-{mode}"
+        self.router = pull(router)
+        self.decode = DecodeNode(
+            node_config(tmp_path, f"decode-{mode}", router, kv_address="tcp://127.0.0.1:0",
+                        colocated=colocated),
+            dataclasses.replace(engine_config(folder), tp=decode_tp),
+        )  # fmt: skip
+        self.prefill: PrefillNode | None = None
+        if not colocated:
+            prefill_config = node_config(tmp_path, f"prefill-{mode}", router)
+            self.prefill = PrefillNode(prefill_config, engine_config(folder))
+
+    def generate(self, request_id: str, prompt: list[int]) -> list[int]:
+        """The request's tokens, the prefill node's first one included. The two nodes push to
+        the router on separate pipes, so the first token may come after decode rows."""
+        nodes = [self.decode] if self.prefill is None else [self.decode, self.prefill]
+        prefill_id = None if self.prefill is None else self.prefill.channel.node_id
+        self.decode.handle(DecodeRequest(request_id, prompt, self.params, prefill_id))
+        if self.prefill is not None:
+            kv_address = self.decode.admission.receiver.address
+            message = PrefillRequest(
+                request_id, prompt, self.params, self.decode.channel.node_id, kv_address
+            )
+            self.prefill.handle(message)
+        first: list[int] = []
+        rows: list[int] = []
+        finished = False
+        for _ in range(MAX_STEPS):
+            for node in nodes:
+                node.step()
+            for message in drain(self.router):
+                assert not isinstance(message, RequestError), message
+                if isinstance(message, FirstToken):
+                    first.append(message.token_id)
+                elif isinstance(message, TokenBatch):
+                    mine = [i for i, r in enumerate(message.request_ids) if r == request_id]
+                    rows += [int(message.token_ids[i]) for i in mine]
+                    finished |= any(message.finish_reasons[i] for i in mine)
+            if finished and len(first) == len(nodes) - 1:
+                return first + rows
+        raise AssertionError(f"{request_id} did not finish: {first} + {rows}")
+
+    def close(self) -> None:
+        for node in (self.decode, self.prefill):
+            if node is not None:
+                node.close()
+                node.channel.close()
+        self.router.close(linger=0)

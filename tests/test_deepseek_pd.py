@@ -1,7 +1,7 @@
 """DeepSeek (latent KV, experts with shared experts) through real nodes and ranks on CPU, fp32:
 
 - PD over zmq: a prefill node and a decode node in this process (tests/node_harness.py's
-  way), the test playing the router with a real socket; tiny DeepSeek-V2 and -V3 give HF's
+  `NodePair`), the test playing the router with a real socket; tiny DeepSeek-V2 and -V3 give HF's
   greedy tokens, as the colocated node does, and each transfer moves the latent's bytes;
 - expert parallel 2 (gloo) for DeepSeek-V3 (shared expert, grouped routing, correction bias);
 - PD from one prefill rank into a two-rank decode node (each rank caches the whole latent);
@@ -12,32 +12,25 @@ The models are tests/test_deepseek_matches_hf.py's (`CONFIGS`, `build`).
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
-import zmq
 from fastapi.testclient import TestClient
 
 from common import LLM
-from common.node.config import NodeConfig
-from common.protocol.messages import (
-    DecodeRequest,
-    FirstToken,
-    PrefillRequest,
-    RequestError,
-    TokenBatch,
-    decode,
-)
-from common.protocol.sampling_params import SamplingParams
 from decode_node.node import DecodeNode
 from prefill_node.node import PrefillNode
 from router.app import create_app
 from router.config import RouterConfig
 from tests.hf_oracle import hf_greedy
-from tests.node_harness import BLOCK_SIZE, MAX_STEPS, engine_config, pull, save_tiny_model
+from tests.node_harness import (
+    BLOCK_SIZE,
+    NodePair,
+    engine_config,
+    node_config,
+    save_tiny_model,
+)
 from tests.test_deepseek_matches_hf import KV_BYTES, OPTIONS, build, greedy, random_prompt
 
 NEW_TOKENS = 6
@@ -63,78 +56,6 @@ def v2(tmp_path_factory) -> tuple[str, list[list[int]]]:
     return str(folder), [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
 
 
-def sampling() -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-
-
-def node_config(tmp_path, name: str, router: str, **fields) -> NodeConfig:
-    return NodeConfig(control_address=f"ipc://{tmp_path}/{name}", router_address=router, **fields)
-
-
-def drain(sock: zmq.Socket) -> Iterator[object]:
-    while True:
-        try:
-            yield decode(sock.recv(zmq.NOBLOCK))
-        except zmq.Again:
-            return
-
-
-class Nodes:
-    """A decode node (colocated, or paired with a prefill node over zmq) in this process; the
-    test is the router: it sends the requests and reads the tokens from a real PULL socket."""
-
-    def __init__(self, folder: str, tmp_path, colocated: bool = False, decode_tp: int = 1):
-        mode = "colocated" if colocated else "pd"
-        router = f"ipc://{tmp_path}/router-{mode}"
-        self.router = pull(router)
-        self.decode = DecodeNode(
-            node_config(tmp_path, f"decode-{mode}", router, kv_address="tcp://127.0.0.1:0",
-                        colocated=colocated),
-            dataclasses.replace(engine_config(folder), tp=decode_tp),
-        )  # fmt: skip
-        self.prefill: PrefillNode | None = None
-        if not colocated:
-            prefill_config = node_config(tmp_path, f"prefill-{mode}", router)
-            self.prefill = PrefillNode(prefill_config, engine_config(folder))
-
-    def generate(self, request_id: str, prompt: list[int]) -> list[int]:
-        """The request's tokens, the prefill node's first one included. The two nodes push to
-        the router on separate pipes, so the first token may come after decode rows."""
-        nodes = [self.decode] if self.prefill is None else [self.decode, self.prefill]
-        prefill_id = None if self.prefill is None else self.prefill.channel.node_id
-        self.decode.handle(DecodeRequest(request_id, prompt, sampling(), prefill_id))
-        if self.prefill is not None:
-            kv_address = self.decode.admission.receiver.address
-            message = PrefillRequest(
-                request_id, prompt, sampling(), self.decode.channel.node_id, kv_address
-            )
-            self.prefill.handle(message)
-        first: list[int] = []
-        rows: list[int] = []
-        finished = False
-        for _ in range(MAX_STEPS):
-            for node in nodes:
-                node.step()
-            for message in drain(self.router):
-                assert not isinstance(message, RequestError), message
-                if isinstance(message, FirstToken):
-                    first.append(message.token_id)
-                elif isinstance(message, TokenBatch):
-                    mine = [i for i, r in enumerate(message.request_ids) if r == request_id]
-                    rows += [int(message.token_ids[i]) for i in mine]
-                    finished |= any(message.finish_reasons[i] for i in mine)
-            if finished and len(first) == len(nodes) - 1:
-                return first + rows
-        raise AssertionError(f"{request_id} did not finish: {first} + {rows}")
-
-    def close(self) -> None:
-        for node in (self.decode, self.prefill):
-            if node is not None:
-                node.close()
-                node.channel.close()
-        self.router.close(linger=0)
-
-
 def latent_bytes(prompt_tokens: int) -> int:
     """What one transfer moves: the transport ships whole blocks (a partial block's unused
     slots too), one 576-value latent row per token slot and layer, fp32."""
@@ -144,12 +65,12 @@ def latent_bytes(prompt_tokens: int) -> int:
 
 def test_pd_over_zmq_gives_hf_and_colocated_tokens_and_moves_the_latents_bytes(deepseek, tmp_path):
     folder, expected = deepseek
-    colocated = Nodes(folder, tmp_path, colocated=True)
+    colocated = NodePair(folder, tmp_path, greedy(NEW_TOKENS), colocated=True)
     try:
         assert [colocated.generate(f"c{i}", p) for i, p in enumerate(PROMPTS)] == expected
     finally:
         colocated.close()
-    pd = Nodes(folder, tmp_path)
+    pd = NodePair(folder, tmp_path, greedy(NEW_TOKENS))
     try:
         for i, (prompt, want) in enumerate(zip(PROMPTS, expected, strict=True)):
             before = pd.decode.stats["kv_transfer_bytes"]  # the receiver's Transfer.nbytes
@@ -165,7 +86,7 @@ def test_pd_from_one_prefill_rank_into_two_decode_ranks_gives_hf_tokens(v2, tmp_
     """The decode ranks split the heads; each caches the whole latent, so the one frame per
     layer is written into both pools and the wire carries it once."""
     folder, expected = v2
-    pd = Nodes(folder, tmp_path, decode_tp=2)
+    pd = NodePair(folder, tmp_path, greedy(NEW_TOKENS), decode_tp=2)
     try:
         worker = pd.decode.worker
         assert (worker.rank_spec.num_heads, worker.spec.num_heads) == (2, 4)

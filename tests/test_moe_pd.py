@@ -1,6 +1,6 @@
 """Qwen3-MoE and Mixtral through a prefill node and a decode node over zmq (CPU, fp32): the
 nodes run in this process and the test plays the router with a real socket
-(tests/test_deepseek_pd.py's `Nodes`). Greedy tokens equal HF transformers' and the colocated
+(tests/node_harness.py's `NodePair`). Greedy tokens equal HF transformers' and the colocated
 node's, and each transfer moves the K and V bytes of the prompt's blocks.
 
 The models are tests/test_moe_parallel.py's tiny random ones, saved by transformers with the
@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from tests.hf_oracle import hf_greedy
-from tests.node_harness import BLOCK_SIZE
-from tests.test_deepseek_pd import NEW_TOKENS, Nodes
-from tests.test_moe_parallel import mixtral, qwen3_moe, save
+from tests.node_harness import BLOCK_SIZE, NodePair
+from tests.test_moe_parallel import greedy, mixtral, qwen3_moe, save
 
 VOCAB = 384
+NEW_TOKENS = 6
 MODELS = {"qwen3_moe": lambda: qwen3_moe(VOCAB), "mixtral": mixtral}
 
 
@@ -51,12 +51,12 @@ def kv_bytes(config, prompt_tokens: int) -> int:
 
 def test_pd_over_zmq_gives_hf_and_colocated_tokens_and_moves_the_kv_bytes(moe, tmp_path):
     folder, config, expected = moe
-    colocated = Nodes(folder, tmp_path, colocated=True)
+    colocated = NodePair(folder, tmp_path, greedy(NEW_TOKENS), colocated=True)
     try:
         assert [colocated.generate(f"c{i}", p) for i, p in enumerate(PROMPTS)] == expected
     finally:
         colocated.close()
-    pd = Nodes(folder, tmp_path)
+    pd = NodePair(folder, tmp_path, greedy(NEW_TOKENS))
     try:
         assert pd.decode.worker.model.model.layers[0].mlp.experts.num_experts == (
             config.num_local_experts if hasattr(config, "num_local_experts") else config.num_experts
