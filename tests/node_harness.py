@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -193,12 +192,14 @@ def node_config(tmp_path, name: str, router: str, **fields) -> NodeConfig:
     return NodeConfig(control_address=f"ipc://{tmp_path}/{name}", router_address=router, **fields)
 
 
-def drain(sock: zmq.Socket) -> Iterator[object]:
+def drain(sock: zmq.Socket) -> list:
+    """Every message waiting on `sock` now, decoded, in order; [] when none."""
+    out = []
     while True:
         try:
-            yield decode(sock.recv(zmq.NOBLOCK))
+            out.append(decode(sock.recv(zmq.NOBLOCK)))
         except zmq.Again:
-            return
+            return out
 
 
 class NodePair:

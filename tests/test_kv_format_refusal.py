@@ -15,7 +15,6 @@ import logging
 
 import pytest
 import torch
-import zmq
 
 from common.engine.config import EngineConfig
 from common.engine.kv_format import KVFormat
@@ -25,7 +24,6 @@ from common.protocol.messages import (
     PrefillRequest,
     RequestError,
     TokenBatch,
-    decode,
 )
 from common.protocol.sampling_params import SamplingParams
 from decode_node.node import DecodeNode
@@ -35,7 +33,14 @@ from router.app import create_app
 from router.config import RouterConfig
 from router.registry import NodeRegistry
 from tests.fp8_kv import needs_fp8_attention
-from tests.node_harness import MAX_STEPS, DecodeHarness, engine_config, pull, save_tiny_model
+from tests.node_harness import (
+    MAX_STEPS,
+    DecodeHarness,
+    drain,
+    engine_config,
+    pull,
+    save_tiny_model,
+)
 from tests.router_fakes import LoopbackNodes, ManualClock, generation_script, heartbeat
 from tests.test_router_api_errors import assert_openai_error, call
 
@@ -128,15 +133,6 @@ def test_the_registry_logs_a_mismatched_pair_once_and_refuses_a_malformed_format
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("kv-format-refusal-qwen2"))
-
-
-def drain(sock: zmq.Socket) -> list:
-    out = []
-    while True:
-        try:
-            out.append(decode(sock.recv(zmq.NOBLOCK)))
-        except zmq.Again:
-            return out
 
 
 def assert_no_block_held(decode_node: DecodeNode, prefill_node: PrefillNode | None = None):

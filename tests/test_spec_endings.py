@@ -36,8 +36,8 @@ from common.protocol.messages import (
 from common.protocol.sampling_params import SamplingParams
 from decode_node.node import DecodeNode
 from prefill_node.node import PrefillNode
-from tests.node_harness import MAX_STEPS, engine_config, pull, save_tiny_model
-from tests.test_kv_format_refusal import assert_no_block_held, drain
+from tests.node_harness import MAX_STEPS, drain, engine_config, pull, save_tiny_model
+from tests.test_kv_format_refusal import assert_no_block_held
 
 VOCAB = 256  # save_tiny_model's
 PROMPTS = {"a": list(range(10, 50)), "b": [7, 3, 9, 200, 41] * 5}

@@ -30,9 +30,8 @@ from common.protocol.messages import (
 from common.protocol.sampling_params import SamplingParams
 from decode_node.node import DecodeNode
 from router.timing import TimingMarks, assemble
-from tests.node_harness import MAX_STEPS, engine_config, pull, save_tiny_model
+from tests.node_harness import MAX_STEPS, drain, engine_config, pull, save_tiny_model
 from tests.router_fakes import Script, generation_script, metric
-from tests.test_kv_format_refusal import drain
 from tests.test_router_api_generation import CHAT, HI, TEXT, answer_ids, make, post  # noqa: F401
 
 # 3 verify steps: 4 drafted of which 3 kept, 4 of which 0, 2 of which 2
