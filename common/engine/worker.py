@@ -136,7 +136,7 @@ class Worker:
         their node does with KV); rank r > 0 joins at `init_method`. `drafts`: load the
         speculative proposer's weights and pool (a prefill node never drafts)."""
         self.config = config
-        mc, cc = config.model, config.cache
+        mc = config.model
         self.device = pick_device(mc.device, rank, config.world_size)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -169,6 +169,19 @@ class Worker:
         self.ranks = None
         if config.world_size > 1 and rank == 0:
             self.ranks = RankProcesses(config, role or RankRole())
+        try:
+            self._build(config, rank, init_method, drafts)
+        except BaseException:
+            if self.ranks is not None:
+                # Else they fail on their own, and their watch ends this whole process.
+                self.ranks.terminate()
+            close_world(config.world_size)  # so this process may build another node
+            raise
+
+    def _build(self, config: EngineConfig, rank: int, init_method: str | None, drafts: bool):
+        """The rest of `__init__`, once this node's other ranks are started: process groups,
+        model, KV pool, graphs, warm-up."""
+        mc, cc = config.model, config.cache
         self.tp = TPGroup.single()
         self.pipe: PipeGroup | None = None
         address = self.ranks.init_method if self.ranks else init_method
