@@ -12,15 +12,25 @@ model dtype, which is what its recent versions save):
 - hf_tensor_dynamic: `weight` F8_E4M3, `weight_scale` F32 []
 - ct_channel (FP8_DYNAMIC): `weight` F8_E4M3, `weight_scale` BF16 [N, 1]
 - ct_tensor_static (FP8): `weight` F8_E4M3, `weight_scale` BF16 [1], `input_scale` BF16 [1]
+
+Mixture-of-experts models are written with one tensor per expert, as transformers saves them
+and as the Hub holds them (`mlp.experts.7.gate_proj.weight` and its scales), each quantized
+like a dense linear; the routers (`mlp.gate.weight`) stay high precision. In the reference the
+experts fake-quantize their input and their SiLU-and-mul output per token and 128 columns
+(block formats) or per token (every other format: a static `input_scale` does not apply to
+experts in pdserve), then multiply the dequantized weights in float32.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import re
+import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 FP8, MAX, FLOOR = torch.float8_e4m3fn, 448.0, 1.0 / (448.0 * 512.0)
 
@@ -106,19 +116,60 @@ def _quantize(
 
 
 def is_quantized(name: str) -> bool:
-    return name.startswith("model.layers.") and name.endswith("_proj.weight")
+    """A decoder linear layer's or an expert's weight (not a router's `gate.weight`)."""
+    return name.startswith("model.layers.") and (
+        name.endswith("_proj.weight") or _EXPERT.match(name) is not None
+    )
+
+
+def published_tensors(hf) -> dict[str, torch.Tensor]:
+    """`hf`'s tensors under the names its checkpoint holds (transformers' save: one tensor per
+    expert, no tied LM head)."""
+    with tempfile.TemporaryDirectory() as folder:
+        hf.save_pretrained(folder)
+        tensors: dict[str, torch.Tensor] = {}
+        for file in sorted(Path(folder).glob("*.safetensors")):
+            tensors.update(load_file(str(file)))
+    return tensors
+
+
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_PART = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtral's names
+
+
+def stacked_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Published per-expert tensors restacked as transformers holds them in memory:
+    `experts.gate_up_proj` [E, 2I, H] (each expert's gate rows, then its up rows) and
+    `experts.down_proj` [E, H, I] (Mixtral's `block_sparse_moe` as `mlp`); every other tensor
+    as it is."""
+    out, parts = {}, {}
+    for name, tensor in tensors.items():
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        match = _EXPERT.match(name)
+        if match is None:
+            out[name] = tensor
+            continue
+        part = _PART.get(match.group(3), match.group(3))
+        parts.setdefault(match.group(1), {})[(int(match.group(2)), part)] = tensor
+    for prefix, by in parts.items():
+        experts = range(1 + max(e for e, _ in by))
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([by[(e, "gate_proj")], by[(e, "up_proj")]]) for e in experts]
+        )
+        out[f"{prefix}.down_proj"] = torch.stack([by[(e, "down_proj")] for e in experts])
+    return out
 
 
 def write(hf, folder: Path, fmt: str, calibration: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Save `hf` in `fmt` to `folder`; return the dequantized float32 state dict and, under
-    "<linear>.input_scale", each linear layer's static activation scale (float32)."""
+    """Save `hf` in `fmt` to `folder`; return the dequantized float32 tensors (in the
+    checkpoint's names) and, under "<linear>.input_scale", each dense linear layer's static
+    activation scale (float32). Experts of a static format get an `input_scale` of 1.0 in the
+    file, as the formats carry one per linear; pdserve does not use it."""
     qconfig, layout, acts = FORMATS[fmt]
     ct = fmt.startswith("ct_")
     input_scales = _calibrate(hf, calibration) if acts == "static" else {}
     tensors, dequantized = {}, {}
-    for name, w in hf.state_dict().items():
-        if name == "lm_head.weight" and hf.config.tie_word_embeddings:
-            continue
+    for name, w in published_tensors(hf).items():
         if not is_quantized(name):
             tensors[name] = dequantized[name] = w.contiguous()
             continue
@@ -130,6 +181,8 @@ def write(hf, folder: Path, fmt: str, calibration: torch.Tensor) -> dict[str, to
             stored.reshape(1) if ct and layout == "tensor" else stored
         )
         dequantized[name] = q.float() * full
+        if acts == "static" and ".experts." in prefix:
+            tensors[f"{prefix}.input_scale"] = torch.ones(1 if ct else ())
         if prefix in input_scales:
             s = input_scales[prefix]
             s = s.reshape(1).bfloat16() if ct else s  # [1] BF16 / [] F32
@@ -170,10 +223,15 @@ def reference(hf_cls, config, dequantized: dict[str, torch.Tensor], fmt: str, tp
     _, _, acts = FORMATS[fmt]
     model = hf_cls(config).eval()
     weights = {k: v for k, v in dequantized.items() if not k.endswith("input_scale")}
-    model.load_state_dict(weights, strict=False)
+    result = model.load_state_dict(stacked_experts(weights), strict=False)
+    assert set(result.missing_keys) <= {"lm_head.weight"}, result.missing_keys
+    assert not result.unexpected_keys, result.unexpected_keys
     if config.tie_word_embeddings:
         model.tie_weights()
     for name, module in model.named_modules():
+        if type(module).__name__.endswith("Experts") and name.startswith("model.layers."):
+            experts_acts = "group" if acts == "group" else "token"
+            module.forward = functools.partial(_experts_w8a8, module, experts_acts)
         if isinstance(module, torch.nn.Linear) and name.startswith("model.layers."):
             scale = dequantized.get(f"{name}.input_scale")
             parts = tp if name.endswith(ROW_PARALLEL) else 1
@@ -183,3 +241,20 @@ def reference(hf_cls, config, dequantized: dict[str, torch.Tensor], fmt: str, tp
                 )
             )
     return model
+
+
+def _experts_w8a8(module, acts: str, hidden, top_k_index, top_k_weights):
+    """transformers' stacked experts (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I], SiLU)
+    with their input and their SiLU-and-mul output fake-quantized in `acts`."""
+    out = torch.zeros_like(hidden)
+    x = act_fake_quant(hidden, acts, None)
+    inter = module.gate_up_proj.shape[1] // 2
+    for expert in range(module.gate_up_proj.shape[0]):
+        tokens, slots = torch.where(top_k_index == expert)
+        if tokens.numel() == 0:
+            continue
+        gate_up = x[tokens] @ module.gate_up_proj[expert].T
+        h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y = act_fake_quant(h, acts, None) @ module.down_proj[expert].T
+        out.index_add_(0, tokens, y * top_k_weights[tokens, slots, None])
+    return out

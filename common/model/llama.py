@@ -41,7 +41,7 @@ from common.model.layers.moe import GATE, UP, Experts, MoEBlock
 from common.model.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from common.model.layers.weights import default_weight_loader
 from common.model.parallel import StageLayers, rank_spec
-from common.model.quantization import LinearMethod, UnquantizedLinearMethod
+from common.model.quantization import LinearMethod, expert_quant_for
 from common.model.quantization.activation import Fp8Activation
 from common.model.spec import ModelSpec
 
@@ -74,17 +74,25 @@ EXPERT_PARTS: dict[str, tuple[str, int]] = {
     "w3": ("gate_up_proj", UP),
     "w2": ("down_proj", 0),
 }
-_EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+_EXPERT_NAME = re.compile(
+    r"^(.*\.experts)\.(\d+)\.(\w+)\.(weight|weight_scale_inv|weight_scale|input_scale)$"
+)
 
 
 def expert_target(name: str) -> tuple[str, tuple[int, int]] | None:
     """`model.layers.3.mlp.experts.7.up_proj.weight` -> (`model.layers.3.mlp.experts.
-    gate_up_proj`, (7, UP)); None for a tensor that is not one expert's."""
+    gate_up_proj`, (7, UP)); an FP8 checkpoint's `weight_scale` (`weight_scale_inv`) of it ->
+    `...experts.gate_up_proj_scale`; an `input_scale` -> `...experts.input_scale` (unused:
+    FP8 experts keep 16-bit activations); None for a tensor that is not one expert's."""
     match = _EXPERT_NAME.match(name)
     if match is None or match.group(3) not in EXPERT_PARTS:
         return None
     param, shard = EXPERT_PARTS[match.group(3)]
-    return f"{match.group(1)}.{param}", (int(match.group(2)), shard)
+    kind = match.group(4)
+    if kind == "input_scale":
+        return f"{match.group(1)}.input_scale", (int(match.group(2)), shard)
+    suffix = "" if kind == "weight" else "_scale"
+    return f"{match.group(1)}.{param}{suffix}", (int(match.group(2)), shard)
 
 
 def _kv_scale_name(name: str) -> str:
@@ -167,15 +175,10 @@ def feed_forward(
     moe = spec.moe
     if moe is None or not moe.is_sparse(layer):
         return MLP(spec.hidden_size, spec.intermediate_size, tp, method)
-    if method is not None and not isinstance(method, UnquantizedLinearMethod):
-        raise ValueError(
-            f"{spec.architecture}: quantized experts are not supported yet; serve this "
-            "checkpoint in bf16 (FP8 applies to dense models)"
-        )
     shared = None
     if moe.shared_intermediate_size:
         shared = MLP(spec.hidden_size, moe.shared_intermediate_size, tp, method, reduce=False)
-    return MoEBlock(moe, spec.hidden_size, tp, shared)
+    return MoEBlock(moe, spec.hidden_size, tp, shared, expert_quant_for(method))
 
 
 class DecoderLayer(nn.Module):
@@ -344,6 +347,8 @@ class LlamaForCausalLM(nn.Module):
                 kv_scales[name].fill_(tensor.reshape(()).float())
                 continue
             target, shard_id = expert_target(name) or self._packed_target(name)
+            if target.endswith(".experts.input_scale"):
+                continue  # a static activation scale: FP8 experts keep 16-bit activations
             if target not in params:
                 raise ValueError(
                     f"checkpoint tensor {name!r} has no place in {self.spec.architecture}"

@@ -3,7 +3,10 @@
     out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)),  e = topk_ids[t, j]
 
 Weights (the MoE layer's contract): `w13` [E, 2I, H] (each expert's gate_proj rows, then its
-up_proj rows), `w2` [E, H, I] (down_proj), in x's dtype. Routing: `topk_weights` [T, k]
+up_proj rows), `w2` [E, H, I] (down_proj), in x's dtype; or FP8 with their `ExpertScales`
+(`common.model.quantization.fp8_experts`): the experts then compute W8A8 (x and the SiLU-and-mul
+output quantized to FP8, the FP8 tensor cores or, in the GEMVs, float32 products of FP8 values,
+each K block's sum scaled). Routing: `topk_weights` [T, k]
 float32 (already normalized / scaled), `topk_ids` [T, k] int32 or int64; an id outside [0, E)
 drops its pair (expert parallelism's non-local experts). Output [T, H] in x's dtype.
 
@@ -14,7 +17,7 @@ Implementations (`experts_forward` dispatches):
   deterministic, no atomics. 4 launches up to `ONE_PROGRAM_PAIRS` pairs, 6 beyond. Up to
   `GEMV_MAX_TOKENS` tokens (a `GemvConfig`): `fused_moe_gemv`'s two GEMV launches instead.
 - `fused_moe_grouped_mm`: the plan with block_m = 1, x rows gathered, `torch._grouped_mm`,
-  SiLU-and-mul, `torch._grouped_mm`, the weighted sum. On CUDA bf16 only (sm90 / sm100 CUTLASS;
+  SiLU-and-mul, `torch._grouped_mm`, the weighted sum. 16-bit weights only; on CUDA bf16 only (sm90 / sm100 CUTLASS;
   other dtypes take torch's fallback, which syncs on `offs`); on CPU any float dtype.
 - `moe_reference`: a torch loop over experts in float32; the CPU path and the tests' oracle.
 
@@ -30,22 +33,29 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from common.model import ops
 from common.model.kernels import fused_ops
 from common.model.kernels.fused_moe_gemv import (
     GEMV_CONFIG,
     GemvConfig,
     GemvTiles,
     fused_moe_gemv,
+    fused_moe_gemv_fp8,
     narrowed,
 )
 from common.model.kernels.fused_moe_kernels import (
+    act_scale_strides,
     down_kernel,
     gate_up_kernel,
     gather_rows_kernel,
+    promote_k,
     sum_slots_kernel,
+    weight_scale_strides,
 )
 from common.model.kernels.moe_align import ONE_PROGRAM_PAIRS, MoEPlan, moe_align
 from common.model.kernels.pdl import pdl_args
+from common.model.quantization import fp8_experts
+from common.model.quantization.fp8_experts import ExpertScales
 
 __all__ = [
     "AUTO_IMPL",
@@ -53,8 +63,10 @@ __all__ = [
     "IMPLS",
     "MOE_CONFIGS",
     "ONE_PROGRAM_PAIRS",
+    "ExpertScales",
     "GemmTiles",
     "GemvConfig",
+    "FP8_PREFILL_CONFIGS",
     "GemvTiles",
     "MoEConfig",
     "MoEPlan",
@@ -94,6 +106,15 @@ MOE_CONFIGS: tuple[tuple[float, MoEConfig], ...] = (
     (64, MoEConfig(64, GemmTiles(128, 64, 8, 4), GemmTiles(128, 64, 8, 4))),
     (float("inf"), MoEConfig(128, GemmTiles(128, 64, 8, 3), GemmTiles(256, 64, 8, 3))),
 )
+# FP8 experts beyond 64 rows per expert, by scale layout (block, per row): the bf16 prefill tiles
+# spill there (FP8 block at 2048 tokens: 2154 us against 560 for bf16), since each K block's
+# product is a fresh accumulator. The best of a sweep on one H200 (Qwen3-30B-A3B, 2048 tokens,
+# one layer, graph-replayed over rotated weights; sweep_moe_fp8 in docs/benchmarks.md): 535 and
+# 441 us. Up to 64 rows per expert MOE_CONFIGS was within 2% of the sweep's best.
+FP8_PREFILL_CONFIGS = {
+    True: MoEConfig(64, GemmTiles(64, 128, 4, 3), GemmTiles(64, 128, 4, 3)),
+    False: MoEConfig(64, GemmTiles(128, 128, 4, 3), GemmTiles(128, 128, 4, 3)),
+}
 # Up to this many tokens the experts run as GEMVs (`GEMV_CONFIG`): each pair reads its expert's
 # weights itself, which costs nothing while the pairs of a step rarely share an expert.
 GEMV_MAX_TOKENS = 4
@@ -106,17 +127,24 @@ IMPLS = ("auto", "triton", "grouped_mm", "reference")
 
 
 def pick_config(
-    num_tokens: int, top_k: int, w13: torch.Tensor, sms: int = 132
+    num_tokens: int,
+    top_k: int,
+    w13: torch.Tensor,
+    sms: int = 132,
+    scales: ExpertScales | None = None,
 ) -> MoEConfig | GemvConfig:
     """`GEMV_CONFIG` up to `GEMV_MAX_TOKENS` tokens, else the table's entry for T * k / E rows
-    per expert; with `fill_sms`, block_n halved while the programs (of the row blocks that hold
-    pairs: at least one per touched expert) number fewer than `sms`."""
+    per expert (FP8 `scales` beyond 64: `FP8_PREFILL_CONFIGS`); with `fill_sms`, block_n halved
+    while the programs (of the row blocks that hold pairs: at least one per touched expert)
+    number fewer than `sms`."""
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     hidden = w13.shape[2]
     if num_tokens <= GEMV_MAX_TOKENS:
         return narrowed(GEMV_CONFIG, num_tokens * top_k, num_tokens, inter, hidden, sms)
     per_expert = num_tokens * top_k / num_experts
     config = next(c for top, c in MOE_CONFIGS if per_expert <= top)
+    if scales is not None and per_expert > 64:
+        config = FP8_PREFILL_CONFIGS[bool(scales.group_k)]
     if not config.fill_sms:
         return config
     pairs = num_tokens * top_k
@@ -142,23 +170,29 @@ def experts_forward(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     impl: str = "auto",
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """`out` [T, H] by `impl`: "auto" (the reference on CPU; on CUDA `AUTO_IMPL` by rows per
-    expert, triton for small experts or where grouped_mm cannot run), "triton", "grouped_mm" or "reference"."""
+    expert, triton for small experts, FP8 ones, or where grouped_mm cannot run), "triton",
+    "grouped_mm" or "reference"."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        impl = _auto_impl(x, w13, topk_ids.shape[1])
+        impl = _auto_impl(x, w13, topk_ids.shape[1], scales)
     if impl == "reference":
-        return moe_reference(x, w13, w2, topk_weights, topk_ids)
+        return moe_reference(x, w13, w2, topk_weights, topk_ids, scales)
     if impl == "grouped_mm":
+        if scales is not None:
+            raise ValueError("grouped_mm multiplies 16-bit experts only, got FP8 ones")
         return fused_moe_grouped_mm(x, w13, w2, topk_weights, topk_ids)
-    return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, scales=scales)
 
 
-def _auto_impl(x: torch.Tensor, w13: torch.Tensor, top_k: int) -> str:
+def _auto_impl(x: torch.Tensor, w13: torch.Tensor, top_k: int, scales: ExpertScales | None) -> str:
     if x.device.type != "cuda":
         return "reference"
+    if scales is not None:
+        return "triton"
     per_expert = x.shape[0] * top_k / w13.shape[0]
     impl = next(name for top, name in AUTO_IMPL if per_expert < top)
     small = w13.shape[1] // 2 < GROUPED_MM_MIN_INTERMEDIATE
@@ -174,18 +208,35 @@ def fused_moe_triton(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: MoEConfig | GemvConfig | None = None,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
-    """`out` by the Triton grouped GEMMs (or GEMVs); `config` None picks `pick_config`'s."""
-    tokens, hidden, num_experts, inter, top_k = _check(x, w13, w2, topk_weights, topk_ids)
+    """`out` by the Triton grouped GEMMs (or GEMVs); `config` None picks `pick_config`'s.
+    FP8 experts (`scales`): x is quantized first and h between the GEMMs (one launch each,
+    `ops.quantize_fp8`), and the GEMMs' K tiles stay inside one scale block."""
+    tokens, hidden, num_experts, inter, top_k = _check(x, w13, w2, topk_weights, topk_ids, scales)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     if tokens == 0:
         return out
     if config is None:
-        config = pick_config(tokens, top_k, w13, _sm_count(x.device))
+        config = pick_config(tokens, top_k, w13, _sm_count(x.device), scales)
     x = x if x.stride(1) == 1 else x.contiguous()
-    if isinstance(config, GemvConfig):
+    fp8 = scales is not None
+    if fp8:
+        quant = scales.activation_quant
+        xa = ops.quantize_fp8(x, quant)
+        if isinstance(config, GemvConfig):
+            quantize = functools.partial(ops.quantize_fp8, quant=quant)
+            fused_moe_gemv_fp8(xa, w13, w2, scales, topk_weights, topk_ids, config, out, quantize)
+            return out
+        config = _within_scale_blocks(config, scales.group_k)
+        a, a_scale, s13, s2 = xa.data, xa.scale, scales.w13, scales.w2
+        scale_args = dict(FP8=True, SCALE_GN=scales.group_n, SCALE_GK=scales.group_k)
+    elif isinstance(config, GemvConfig):
         fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, config, out)
         return out
+    else:  # the scale operands stand in, never read
+        a, a_scale, s13, s2 = x, x, w13, w2
+        scale_args = dict(FP8=False, SCALE_GN=1, SCALE_GK=0)
     if config.block_m < 16 or config.block_m & (config.block_m - 1):
         raise ValueError(f"block_m must be a power of two >= 16, got {config.block_m}")
     plan = moe_align(topk_ids, num_experts, config.block_m)
@@ -198,22 +249,44 @@ def fused_moe_triton(
     blocks = plan.block_expert.shape[0]
     t1 = config.gate_up
     gate_up_kernel[(blocks * triton.cdiv(inter, t1.block_n),)](
-        x, w13, plan.sorted_pairs, plan.block_expert, h,
+        a, w13, a_scale, s13, plan.sorted_pairs, plan.block_expert, h,
         plan.num_pairs, blocks, inter, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        a.stride(0), w13.stride(0), w13.stride(1), *act_scale_strides(a_scale),
+        *weight_scale_strides(s13), h.stride(0),
         EVEN_K=hidden % t1.block_k == 0, BLOCK_N=t1.block_n, BLOCK_K=t1.block_k,
-        num_warps=t1.num_warps, num_stages=t1.num_stages, **common, **pdl_args(x.device),
+        PROMOTE=promote_k(t1.block_k), num_warps=t1.num_warps, num_stages=t1.num_stages,
+        **common, **scale_args,
+        **pdl_args(x.device),
     )  # fmt: skip
+    h_scale = h
+    if fp8:
+        ha = ops.quantize_fp8(h, quant)
+        h, h_scale = ha.data, ha.scale
     t2 = config.down
     down_kernel[(blocks * triton.cdiv(hidden, t2.block_n),)](
-        h, w2, plan.sorted_pairs, plan.block_expert, topk_weights.contiguous(), y,
+        h, w2, h_scale, s2, plan.sorted_pairs, plan.block_expert, topk_weights.contiguous(), y,
         plan.num_pairs, blocks, hidden, inter,
-        h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        h.stride(0), w2.stride(0), w2.stride(1), *act_scale_strides(h_scale),
+        *weight_scale_strides(s2), y.stride(0),
         EVEN_K=inter % t2.block_k == 0, BLOCK_N=t2.block_n, BLOCK_K=t2.block_k,
-        num_warps=t2.num_warps, num_stages=t2.num_stages, **common, **pdl_args(x.device),
+        PROMOTE=promote_k(t2.block_k), num_warps=t2.num_warps, num_stages=t2.num_stages,
+        **common, **scale_args,
+        **pdl_args(x.device),
     )  # fmt: skip
     _sum_slots(y, plan, None, out)
     return out
+
+
+def _within_scale_blocks(config: MoEConfig, group: int) -> MoEConfig:
+    """`config` with every K tile inside one block of `group` columns (0: per-row scales,
+    unchanged), so a tile reads one scale per row."""
+    if not group:
+        return config
+
+    def fit(tiles):
+        return tiles if group % tiles.block_k == 0 else dataclasses.replace(tiles, block_k=group)
+
+    return dataclasses.replace(config, gate_up=fit(config.gate_up), down=fit(config.down))
 
 
 def fused_moe_grouped_mm(
@@ -254,9 +327,13 @@ def moe_reference(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
-    """`out` by a loop over the experts, everything in float32 (syncs: not capturable)."""
-    _, hidden, num_experts, inter, _ = _check(x, w13, w2, topk_weights, topk_ids)
+    """`out` by a loop over the experts, everything in float32 (syncs: not capturable); FP8
+    experts by `fp8_experts.reference`, the same loop on the dequantized operands."""
+    _, hidden, num_experts, inter, _ = _check(x, w13, w2, topk_weights, topk_ids, scales)
+    if scales is not None:
+        return fp8_experts.reference(x, w13, w2, scales, topk_weights, topk_ids)
     acc = torch.zeros(x.shape[0], hidden, dtype=torch.float32, device=x.device)
     xf = x.float()
     for expert in range(num_experts):
@@ -282,7 +359,7 @@ def _sum_slots(y: torch.Tensor, plan: MoEPlan, weights: torch.Tensor | None, out
     )  # fmt: skip
 
 
-def _check(x, w13, w2, topk_weights, topk_ids) -> tuple[int, int, int, int, int]:
+def _check(x, w13, w2, topk_weights, topk_ids, scales=None) -> tuple[int, int, int, int, int]:
     """(T, H, E, I, k) of consistent operands, else a ValueError naming the shapes."""
     shapes = (
         f"x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}, "
@@ -300,8 +377,14 @@ def _check(x, w13, w2, topk_weights, topk_ids) -> tuple[int, int, int, int, int]
         or topk_weights.shape != topk_ids.shape
     ):
         raise ValueError(f"inconsistent MoE shapes: {shapes}")
-    if x.dtype != w13.dtype or x.dtype != w2.dtype:
-        raise ValueError(f"x, w13, w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
+    weight_dtype = x.dtype if scales is None else torch.float8_e4m3fn
+    if w13.dtype != weight_dtype or w2.dtype != weight_dtype:
+        raise ValueError(
+            f"w13 and w2 must be {weight_dtype} (x {x.dtype}, FP8 scales given: "
+            f"{scales is not None}), got {w13.dtype}, {w2.dtype}"
+        )
+    if scales is not None:
+        _check_scales(scales, num_experts, 2 * inter, hidden, inter)
     if topk_ids.dtype not in (torch.int32, torch.int64) or not topk_weights.is_floating_point():
         raise ValueError(
             f"topk_ids must be int32/int64 and topk_weights float, got {topk_ids.dtype}, "
@@ -313,6 +396,22 @@ def _check(x, w13, w2, topk_weights, topk_ids) -> tuple[int, int, int, int, int]
     if len(devices) != 1:
         raise ValueError(f"operands on several devices: {sorted(map(str, devices))}")
     return tokens, hidden, num_experts, inter, topk_ids.shape[1]
+
+
+def _check_scales(scales: ExpertScales, experts: int, rows: int, hidden: int, inter: int) -> None:
+    def grid(n: int, k: int) -> tuple[int, int, int]:
+        blocks = -(-k // scales.group_k) if scales.group_k else 1
+        return experts, -(-n // scales.group_n), blocks
+
+    want13, want2 = grid(rows, hidden), grid(hidden, inter)
+    if tuple(scales.w13.shape) != want13 or tuple(scales.w2.shape) != want2:
+        raise ValueError(
+            f"FP8 expert scales must be w13 {want13} and w2 {want2} for groups "
+            f"({scales.group_n}, {scales.group_k}), got {tuple(scales.w13.shape)} and "
+            f"{tuple(scales.w2.shape)}"
+        )
+    if scales.w13.dtype != torch.float32 or scales.w2.dtype != torch.float32:
+        raise ValueError(f"FP8 expert scales must be float32, got {scales.w13.dtype}")
 
 
 @functools.cache

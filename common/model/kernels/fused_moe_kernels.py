@@ -6,6 +6,15 @@ as the MMA wants it); activations have unit stride along their last dim; a progr
 `BLOCK_M` plan rows (one expert: `block_expert`) and `BLOCK_N` output columns; a block owned
 by no expert (-1) returns at once. Rows holding no pair (`sorted_pairs` == num_pairs) compute
 on token 0 (no masks on the hot loads) and are never read downstream (`pair_rows` skips them).
+
+FP8 (W8A8, FP8 constexpr): the activations come quantized, with float32 scales xs[row, k //
+SCALE_GK], and the scale of weight element (n, k) of expert e sits at ws[e, n // SCALE_GN, k //
+SCALE_GK]. With block scales (SCALE_GK > 0) each K tile lies inside one scale block (the caller
+sizes BLOCK_K so): its FP8 product, summed in float32 by the tensor cores, is scaled by its
+row's and its column's scale before it joins the accumulator. With one scale per row
+(SCALE_GK 0: per-token activations, per-channel weights) the products accumulate as they come
+and the scales apply once, at the end. Either way the tensor cores' reduced-precision FP8 sum is
+promoted to float32 every PROMOTE_K columns.
 """
 
 from __future__ import annotations
@@ -35,12 +44,58 @@ def _load_k(ptrs, ks, K, EVEN_K: tl.constexpr):
     return tile
 
 
+def weight_scale_strides(scale) -> tuple[int, int, int]:
+    """(expert, row, K block) strides of a [E, rows, KB] weight scale (or of the weights
+    standing in, never read); one scale column has K stride 0."""
+    return scale.stride(0), scale.stride(1), scale.stride(2) if scale.shape[2] > 1 else 0
+
+
+def act_scale_strides(scale) -> tuple[int, int]:
+    """(row, K block) strides of a [rows, KB] activation scale; one column: K stride 0."""
+    return scale.stride(0), scale.stride(1) if scale.shape[1] > 1 else 0
+
+
+PROMOTE_K = 128  # as `fp8_gemm_kernels.TileConfig.promote_k`: Hopper keeps ~14 bits there
+
+
+def promote_k(block_k: int) -> int:
+    """The PROMOTE constexpr of a launch: columns summed in FP8 precision per float32 add."""
+    return min(block_k, PROMOTE_K)
+
+
+@triton.jit
+def _fp8_step(acc, a, b, a_scales, b_scales, k0, stride_ak, stride_bk, SCALE_GK: tl.constexpr,
+              PROMOTE: tl.constexpr):  # fmt: skip
+    """acc plus a [M, K] . b[N, K]^T of FP8 tiles: with block scales (SCALE_GK > 0) the fresh
+    product times a's and b's scales of the tile's K block, else accumulated unscaled."""
+    if SCALE_GK > 0:
+        kb = k0 // SCALE_GK
+        sa = tl.load(a_scales + kb * stride_ak)
+        sb = tl.load(b_scales + kb * stride_bk)
+        product = tl.dot(a, tl.trans(b), max_num_imprecise_acc=PROMOTE)
+        acc += product * (sa[:, None] * sb[None, :])
+    else:
+        acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PROMOTE)
+    return acc
+
+
+@triton.jit
+def _row_scales(acc, a_scales, b_scales, SCALE_GK: tl.constexpr):
+    """acc times a's and b's one scale per row, when the scales are per row."""
+    if SCALE_GK == 0:
+        acc = acc * (tl.load(a_scales)[:, None] * tl.load(b_scales)[None, :])
+    return acc
+
+
 @triton.jit
 def gate_up_kernel(
-    x_ptr, w_ptr, sorted_ptr, block_expert_ptr, h_ptr,
-    num_pairs, blocks_m, N, K, stride_xm, stride_we, stride_wn, stride_hm,
+    x_ptr, w_ptr, xs_ptr, ws_ptr, sorted_ptr, block_expert_ptr, h_ptr,
+    num_pairs, blocks_m, N, K, stride_xm, stride_we, stride_wn,
+    stride_xsm, stride_xsk, stride_se, stride_sn, stride_sk, stride_hm,
     TOP_K: tl.constexpr, EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr, SCALE_GN: tl.constexpr, SCALE_GK: tl.constexpr, PROMOTE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """h[row, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, N + n]) for N = I: the gate column
     and its up column in one program (two accumulators), so SiLU-and-mul is the epilogue."""
@@ -57,14 +112,27 @@ def gate_up_kernel(
     a_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_xm
     gate_rows = w_ptr + expert.to(tl.int64) * stride_we + rn_in.to(tl.int64)[:, None] * stride_wn
     up_rows = gate_rows + N * stride_wn
+    a_scales = xs_ptr + tokens.to(tl.int64) * stride_xsm
+    w_scales = ws_ptr + expert.to(tl.int64) * stride_se
+    gate_scales = w_scales + (rn_in // SCALE_GN) * stride_sn
+    up_scales = w_scales + ((rn_in + N) // SCALE_GN) * stride_sn
     rk = tl.arange(0, BLOCK_K)
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + rk
         a = _load_k(a_rows, ks, K, EVEN_K)
-        gate = tl.dot(a, tl.trans(_load_k(gate_rows, ks, K, EVEN_K)), gate, input_precision=PRECISION)  # fmt: skip
-        up = tl.dot(a, tl.trans(_load_k(up_rows, ks, K, EVEN_K)), up, input_precision=PRECISION)  # fmt: skip
+        g = _load_k(gate_rows, ks, K, EVEN_K)
+        u = _load_k(up_rows, ks, K, EVEN_K)
+        if FP8:
+            gate = _fp8_step(gate, a, g, a_scales, gate_scales, k0, stride_xsk, stride_sk, SCALE_GK, PROMOTE)  # fmt: skip
+            up = _fp8_step(up, a, u, a_scales, up_scales, k0, stride_xsk, stride_sk, SCALE_GK, PROMOTE)  # fmt: skip
+        else:
+            gate = tl.dot(a, tl.trans(g), gate, input_precision=PRECISION)
+            up = tl.dot(a, tl.trans(u), up, input_precision=PRECISION)
+    if FP8:
+        gate = _row_scales(gate, a_scales, gate_scales, SCALE_GK)
+        up = _row_scales(up, a_scales, up_scales, SCALE_GK)
     h = gate / (1.0 + tl.exp(-gate)) * up
     out = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + rn[None, :]
     tl.store(out, h.to(h_ptr.dtype.element_ty), mask=rn[None, :] < N)
@@ -72,10 +140,13 @@ def gate_up_kernel(
 
 @triton.jit
 def down_kernel(
-    h_ptr, w_ptr, sorted_ptr, block_expert_ptr, weights_ptr, y_ptr,
-    num_pairs, blocks_m, N, K, stride_hm, stride_we, stride_wn, stride_ym,
+    h_ptr, w_ptr, hs_ptr, ws_ptr, sorted_ptr, block_expert_ptr, weights_ptr, y_ptr,
+    num_pairs, blocks_m, N, K, stride_hm, stride_we, stride_wn,
+    stride_hsm, stride_hsk, stride_se, stride_sn, stride_sk, stride_ym,
     TOP_K: tl.constexpr, EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr, SCALE_GN: tl.constexpr, SCALE_GK: tl.constexpr, PROMOTE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """y[row, n] = routing weight of the row's pair * (h[row] . w[e, n]), N = H; rows holding
     no pair get 0."""
@@ -90,12 +161,20 @@ def down_kernel(
     rn_in = tl.where(rn < N, rn, 0)
     a_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_hm
     b_rows = w_ptr + expert.to(tl.int64) * stride_we + rn_in.to(tl.int64)[:, None] * stride_wn
+    a_scales = hs_ptr + rows.to(tl.int64) * stride_hsm
+    b_scales = ws_ptr + expert.to(tl.int64) * stride_se + (rn_in // SCALE_GN) * stride_sn
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + rk
         a = _load_k(a_rows, ks, K, EVEN_K)
-        acc = tl.dot(a, tl.trans(_load_k(b_rows, ks, K, EVEN_K)), acc, input_precision=PRECISION)  # fmt: skip
+        b = _load_k(b_rows, ks, K, EVEN_K)
+        if FP8:
+            acc = _fp8_step(acc, a, b, a_scales, b_scales, k0, stride_hsk, stride_sk, SCALE_GK, PROMOTE)  # fmt: skip
+        else:
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+    if FP8:
+        acc = _row_scales(acc, a_scales, b_scales, SCALE_GK)
     weight = tl.load(weights_ptr + pairs, mask=pairs < num_pairs, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
     out = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + rn[None, :]

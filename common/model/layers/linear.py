@@ -203,7 +203,10 @@ class RowParallelLinear(LinearBase):
 
 
 def process_weights_after_loading(model: nn.Module) -> None:
-    """Each linear layer's method gets its hook once every tensor is in place."""
+    """Each linear layer's method gets its hook once every tensor is in place, and so does any
+    other module with a `finish_loading` (the MoE layer's FP8 experts)."""
     for module in model.modules():
         if isinstance(module, LinearBase):
             module.method.process_weights_after_loading(module)
+        elif hasattr(module, "finish_loading"):
+            module.finish_loading()

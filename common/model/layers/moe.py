@@ -28,6 +28,8 @@ from common.model.distributed import TPGroup
 from common.model.layers.linear import even_split
 from common.model.layers.moe_routing import select_experts
 from common.model.layers.weights import copy_checked
+from common.model.quantization import fp8_experts
+from common.model.quantization.fp8_experts import ExpertScales, Fp8Experts
 from common.model.spec import MoESpec
 
 GATE, UP = 0, 1  # shard ids of the gate_up_proj halves
@@ -76,11 +78,15 @@ def float32_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 class Experts(nn.Module):
     """This rank's experts (all, or its `expert_range` with expert parallelism), each with this
-    rank's slice of the intermediate dimension (all of it with expert parallelism)."""
+    rank's slice of the intermediate dimension (all of it with expert parallelism). With `quant`
+    the weights are FP8 and `gate_up_proj_scale` / `down_proj_scale` hold their scales
+    (`common.model.quantization.fp8_experts`)."""
 
-    def __init__(self, moe: MoESpec, hidden_size: int, tp: TPGroup) -> None:
+    def __init__(
+        self, moe: MoESpec, hidden_size: int, tp: TPGroup, quant: Fp8Experts | None = None
+    ) -> None:
         super().__init__()
-        self.num_experts, self.tp = moe.num_experts, tp
+        self.num_experts, self.tp, self.quant = moe.num_experts, tp, quant
         full = moe.intermediate_size
         if tp.expert_parallel:
             self.expert_range = even_split(moe.num_experts, tp)
@@ -90,26 +96,62 @@ class Experts(nn.Module):
             self.columns = even_split(full, tp)
         experts, size = len(self.expert_range), len(self.columns)
         self.intermediate_size = size
-        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(experts, hidden_size, size))
+        if quant is not None:
+            quant.check(self)
+        dtype = quant.weight_dtype if quant is not None else torch.get_default_dtype()
+        gate_up = torch.empty(experts, 2 * size, hidden_size, dtype=dtype)
+        self.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden_size, size, dtype=dtype),
+                                      requires_grad=False)  # fmt: skip
         self.gate_up_proj.weight_loader = self._load_gate_up
         self.down_proj.weight_loader = self._load_down
+        if quant is not None:
+            quant.create_scales(self, hidden_size)
         self.loaded: set[tuple[str, int, int]] = set()
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of every token's routed experts: [T, hidden] in x's dtype."""
         if self.tp.expert_parallel:
             ids = ids - self.expert_range.start  # experts of other ranks fall outside 0..E-1
-        return experts_forward(x, self.gate_up_proj, self.down_proj, weights, ids)
+        scales = self.quant.scales(self) if self.quant is not None else None
+        return experts_forward(x, self.gate_up_proj, self.down_proj, weights, ids, scales)
+
+    def finish_loading(self) -> None:
+        """After every tensor is in place: FP8 experts from a 16-bit source are quantized."""
+        if self.quant is not None:
+            self.quant.finish_loading(self)
 
     def missing(self) -> list[str]:
         """Per-expert checkpoint tensors not loaded yet (`load_weights` reports them)."""
-        wanted = {
-            (part, e, shard)
-            for e in self.expert_range
-            for part, shard in (("gate_up_proj", GATE), ("gate_up_proj", UP), ("down_proj", 0))
-        }
+        parts = [("gate_up_proj", GATE), ("gate_up_proj", UP), ("down_proj", 0)]
+        if hasattr(self, "gate_up_proj_scale") and self.quant.config.from_checkpoint:
+            parts += [("gate_up_proj_scale", GATE), ("gate_up_proj_scale", UP),
+                      ("down_proj_scale", 0)]  # fmt: skip
+        wanted = {(part, e, shard) for e in self.expert_range for part, shard in parts}
         return [f"expert {e} {p}[{s}]" for p, e, s in sorted(wanted - self.loaded)]
+
+    def load_gate_up_scale(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None = None
+    ) -> None:
+        """`shard_id` (expert, GATE or UP): that expert's published gate (up) weight scale."""
+        if shard_id is None:
+            raise ValueError("is a stacked scale; expected one per expert tensor, as published")
+        expert, half = shard_id
+        local = self._local(expert)
+        if local is not None:
+            self.quant.load_gate_up_scale(self, param.data[local], loaded, half)
+            self.loaded.add(("gate_up_proj_scale", expert, half))
+
+    def load_down_scale(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None = None
+    ) -> None:
+        """`shard_id` (expert, 0): that expert's published down weight scale."""
+        if shard_id is None:
+            raise ValueError("is a stacked scale; expected one per expert tensor, as published")
+        local = self._local(shard_id[0])
+        if local is not None:
+            self.quant.load_down_scale(self, param.data[local], loaded)
+            self.loaded.add(("down_proj_scale", shard_id[0], 0))
 
     def _local(self, expert: int) -> int | None:
         if not 0 <= expert < self.num_experts:
@@ -122,8 +164,8 @@ class Experts(nn.Module):
         """`shard_id` (expert, GATE or UP): that expert's [intermediate, hidden] half; None:
         the whole stacked [experts, 2 x intermediate, hidden] tensor."""
         if shard_id is None:
-            for e, both in enumerate(self._stacked(loaded, 2 * self._full)):
-                gate, up = both.split(self._full)
+            for e, both in enumerate(self._stacked(loaded, 2 * self.full_intermediate)):
+                gate, up = both.split(self.full_intermediate)
                 self._load_gate_up(param, gate, (e, GATE))
                 self._load_gate_up(param, up, (e, UP))
             return
@@ -133,8 +175,10 @@ class Experts(nn.Module):
             return  # another rank's expert
         rows = self.columns
         dst = param.data[local].narrow(0, half * len(rows), len(rows))
-        if loaded.dim() != 2 or loaded.shape[0] != self._full:
-            raise ValueError(f"has shape {tuple(loaded.shape)}, expected {self._full} rows")
+        if loaded.dim() != 2 or loaded.shape[0] != self.full_intermediate:
+            raise ValueError(
+                f"has shape {tuple(loaded.shape)}, expected {self.full_intermediate} rows"
+            )
         copy_checked(dst, loaded.narrow(0, rows.start, len(rows)))
         self.loaded.add(("gate_up_proj", expert, half))
 
@@ -150,14 +194,16 @@ class Experts(nn.Module):
         local = self._local(expert)
         if local is None:
             return
-        if loaded.dim() != 2 or loaded.shape[1] != self._full:
-            raise ValueError(f"has shape {tuple(loaded.shape)}, expected {self._full} columns")
+        if loaded.dim() != 2 or loaded.shape[1] != self.full_intermediate:
+            raise ValueError(
+                f"has shape {tuple(loaded.shape)}, expected {self.full_intermediate} columns"
+            )
         cols = self.columns
         copy_checked(param.data[local], loaded.narrow(1, cols.start, len(cols)))
         self.loaded.add(("down_proj", expert, 0))
 
     @property
-    def _full(self) -> int:
+    def full_intermediate(self) -> int:
         return len(self.columns) * (1 if self.tp.expert_parallel else self.tp.size)
 
     def _stacked(self, loaded: torch.Tensor, rows: int) -> torch.Tensor:
@@ -175,13 +221,17 @@ def experts_forward(
     down: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """The routed experts' weighted sum per token: grouped GEMMs on CUDA
-    (`common.model.kernels.fused_moe`, capturable in graphs), the reference elsewhere."""
+    (`common.model.kernels.fused_moe`, capturable in graphs), the reference elsewhere. With
+    `scales` the weights are FP8 and the experts compute W8A8 (`fp8_experts`)."""
     if x.is_cuda:
         from common.model.kernels import fused_moe
 
-        return fused_moe.experts_forward(x, gate_up, down, weights, ids)
+        return fused_moe.experts_forward(x, gate_up, down, weights, ids, scales=scales)
+    if scales is not None:
+        return fp8_experts.reference(x, gate_up, down, scales, weights, ids)
     return experts_reference(x, gate_up, down, weights, ids)
 
 
@@ -213,11 +263,18 @@ class MoEBlock(nn.Module):
 
     input_quant = None  # the router and the experts take the plain hidden state
 
-    def __init__(self, moe: MoESpec, hidden_size: int, tp: TPGroup, shared: nn.Module | None):
+    def __init__(
+        self,
+        moe: MoESpec,
+        hidden_size: int,
+        tp: TPGroup,
+        shared: nn.Module | None,
+        quant: Fp8Experts | None = None,
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.gate = Router(moe, hidden_size)
-        self.experts = Experts(moe, hidden_size, tp)
+        self.experts = Experts(moe, hidden_size, tp, quant)
         self.shared_experts = shared  # a tensor-parallel MLP that does not reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
