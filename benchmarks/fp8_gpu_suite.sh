@@ -10,6 +10,9 @@
 #      at batch 1 and 128);
 #   e) time allowing (started before W8_BEFORE_S, default 400 s): Qwen2.5-7B W8A8 with a bf16 KV
 #      cache, decode and prefill (KV capacity at the same weights);
+#   f) only when PARTS names qm: Qwen3-30B-A3B bf16, then a config stating 128 x 128 blocks
+#      (W8A8 dense layers, weight-only FP8 experts) + FP8 KV: decode and prefill, and its
+#      kernel profile;
 # then benchmarks/fp8_report.py: one table, each target, measured, PASS or MISS by how much.
 #   bash benchmarks/fp8_gpu_suite.sh
 # $OUT gets 8 files (what the device tool brings back): the engine results q7_bf16, q7_fp8,
@@ -78,6 +81,8 @@ $PY benchmarks/fp8_config.py "$q3" "$WORK/qwen3-8b" --plain "${tiny[@]}" >/dev/n
 $PY benchmarks/fp8_config.py "$q3" "$WORK/qwen3-8b-fp8-block" "${tiny[@]}" >/dev/null
 q3_bf16=(--model "$WORK/qwen3-8b" --parts decode prefill)
 q3_fp8=(--model "$WORK/qwen3-8b-fp8-block" --parts decode prefill)
+qm=benchmarks/configs/qwen3-30b-a3b
+$PY benchmarks/fp8_config.py "$qm" "$WORK/qwen3-30b-a3b-fp8-block" "${tiny[@]}" >/dev/null
 
 PARTS=" ${PARTS:-q7 q3 transfer w8} "
 want() { [[ "$PARTS" == *" $1 "* ]]; }
@@ -96,6 +101,12 @@ if want q3; then
   engine q3_fp8 "${q3_fp8[@]}" "${FP8[@]}"
   PDSERVE_PDL=0 engine kernels/q3_fp8 --model "$WORK/qwen3-8b-fp8-block" "${FP8[@]}" "${profile[@]}"
 fi
+if want qm; then
+  engine qm_bf16 --model "$qm" --parts decode prefill
+  engine qm_fp8 --model "$WORK/qwen3-30b-a3b-fp8-block" --parts decode prefill "${FP8[@]}"
+  PDSERVE_PDL=0 engine kernels/qm_fp8 --model "$WORK/qwen3-30b-a3b-fp8-block" "${FP8[@]}" \
+    "${profile[@]}"
+fi
 if want transfer; then
   transfer bf16 --sizes-mb "${sizes[@]}"
   transfer fp8 --sizes-mb "${sizes_fp8[@]}" --kv-cache-dtype fp8
@@ -110,7 +121,7 @@ fi
 echo "=== report ($(date +%T), ${SECONDS}s)"
 cp "$RUN"/*.json "$OUT"/
 $PY benchmarks/fp8_report.py "$RUN" --kernel-log "$RUN/kernels/q7_fp8.log" \
-  --kernel-log "$RUN/kernels/q3_fp8.log" \
+  --kernel-log "$RUN/kernels/q3_fp8.log" --kernel-log "$RUN/kernels/qm_fp8.log" \
   >"$RUN/report.txt" 2>&1
 tar -C "$RUN" -czf "$OUT/fp8_suite.tgz" .
 cat "$RUN/report.txt"
