@@ -26,6 +26,11 @@ VOCAB, NEW_TOKENS = 384, 8
 # these models one such flip moved a sampled token's logprob by 0.042 (the block format, the
 # same in prefill and decode), through the experts' quantized inputs and the routing.
 LOGPROB_TOL = 0.1
+# These random models' next-token distributions are flat (the dense per-channel model's greedy
+# tokens have logprobs near -2.3), so the greedy comparison holds for a given torch build: it
+# passes with CI's torch 2.13 on CPU. With torch 2.11 (the GPU machine's)
+# one of the block model's prompts takes another token at the 4th step, and
+# tests/test_fp8_checkpoints.py's per-channel TP 2 case misses its logprob bound.
 OPTIONS = dict(device="cpu", block_size=16, max_num_batched_tokens=256, num_kv_blocks=64)
 
 
