@@ -18,6 +18,7 @@ from common import LLM, SamplingParams
 from common.model.quantization import fp8_ops
 from tests import fp8_checkpoints
 from tests.hf_oracle import hf_greedy
+from tests.test_fp8_checkpoints import max_diff, reference_logprobs
 from tests.tiny_models import TINY_SHAPE
 
 VOCAB, NEW_TOKENS = 384, 8
@@ -82,17 +83,6 @@ def checkpoint(request, tmp_path_factory):
 def generate(folder: str, **options):
     with LLM(folder, **{**OPTIONS, **options}) as llm:
         return llm.generate(prompts(), greedy())
-
-
-@torch.inference_mode()
-def reference_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
-    logprobs = model(torch.tensor([prompt + tokens])).logits[0].float().log_softmax(-1)
-    rows = range(len(prompt) - 1, len(prompt) + len(tokens) - 1)
-    return [logprobs[r, t].item() for r, t in zip(rows, tokens, strict=True)]
-
-
-def max_diff(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
 def test_fp8_moe_checkpoint_greedy_equals_the_dequantized_reference(checkpoint):

@@ -83,7 +83,8 @@ def expert_target(name: str) -> tuple[str, tuple[int, int]] | None:
     """`model.layers.3.mlp.experts.7.up_proj.weight` -> (`model.layers.3.mlp.experts.
     gate_up_proj`, (7, UP)); an FP8 checkpoint's `weight_scale` (`weight_scale_inv`) of it ->
     `...experts.gate_up_proj_scale`; an `input_scale` -> `...experts.input_scale` (unused:
-    FP8 experts keep 16-bit activations); None for a tensor that is not one expert's."""
+    FP8 experts quantize their inputs per token at run time); None for a tensor that is not
+    one expert's."""
     match = _EXPERT_NAME.match(name)
     if match is None or match.group(3) not in EXPERT_PARTS:
         return None
@@ -348,7 +349,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             target, shard_id = expert_target(name) or self._packed_target(name)
             if target.endswith(".experts.input_scale"):
-                continue  # a static activation scale: FP8 experts keep 16-bit activations
+                continue  # static: FP8 experts quantize their inputs per token at run time
             if target not in params:
                 raise ValueError(
                     f"checkpoint tensor {name!r} has no place in {self.spec.architecture}"

@@ -17,8 +17,9 @@ Implementations (`experts_forward` dispatches):
   deterministic, no atomics. 4 launches up to `ONE_PROGRAM_PAIRS` pairs, 6 beyond. Up to
   `GEMV_MAX_TOKENS` tokens (a `GemvConfig`): `fused_moe_gemv`'s two GEMV launches instead.
 - `fused_moe_grouped_mm`: the plan with block_m = 1, x rows gathered, `torch._grouped_mm`,
-  SiLU-and-mul, `torch._grouped_mm`, the weighted sum. 16-bit weights only; on CUDA bf16 only (sm90 / sm100 CUTLASS;
-  other dtypes take torch's fallback, which syncs on `offs`); on CPU any float dtype.
+  SiLU-and-mul, `torch._grouped_mm`, the weighted sum. 16-bit weights only; on CUDA bf16 only
+  (sm90 / sm100 CUTLASS; other dtypes take torch's fallback, which syncs on `offs`); on CPU any
+  float dtype.
 - `moe_reference`: a torch loop over experts in float32; the CPU path and the tests' oracle.
 
 Both GPU paths keep every shape static in T (no host sync), so CUDA graphs capture them.
@@ -59,6 +60,7 @@ from common.model.quantization.fp8_experts import ExpertScales
 
 __all__ = [
     "AUTO_IMPL",
+    "FP8_PREFILL_CONFIGS",
     "GEMV_MAX_TOKENS",
     "IMPLS",
     "MOE_CONFIGS",
@@ -66,7 +68,6 @@ __all__ = [
     "ExpertScales",
     "GemmTiles",
     "GemvConfig",
-    "FP8_PREFILL_CONFIGS",
     "GemvTiles",
     "MoEConfig",
     "MoEPlan",
@@ -255,8 +256,7 @@ def fused_moe_triton(
         *weight_scale_strides(s13), h.stride(0),
         EVEN_K=hidden % t1.block_k == 0, BLOCK_N=t1.block_n, BLOCK_K=t1.block_k,
         PROMOTE=promote_k(t1.block_k), num_warps=t1.num_warps, num_stages=t1.num_stages,
-        **common, **scale_args,
-        **pdl_args(x.device),
+        **common, **scale_args, **pdl_args(x.device),
     )  # fmt: skip
     h_scale = h
     if fp8:
@@ -270,8 +270,7 @@ def fused_moe_triton(
         *weight_scale_strides(s2), y.stride(0),
         EVEN_K=inter % t2.block_k == 0, BLOCK_N=t2.block_n, BLOCK_K=t2.block_k,
         PROMOTE=promote_k(t2.block_k), num_warps=t2.num_warps, num_stages=t2.num_stages,
-        **common, **scale_args,
-        **pdl_args(x.device),
+        **common, **scale_args, **pdl_args(x.device),
     )  # fmt: skip
     _sum_slots(y, plan, None, out)
     return out

@@ -124,7 +124,7 @@ class Experts(nn.Module):
     def missing(self) -> list[str]:
         """Per-expert checkpoint tensors not loaded yet (`load_weights` reports them)."""
         parts = [("gate_up_proj", GATE), ("gate_up_proj", UP), ("down_proj", 0)]
-        if hasattr(self, "gate_up_proj_scale") and self.quant.config.from_checkpoint:
+        if self.quant is not None and self.quant.config.from_checkpoint:
             parts += [("gate_up_proj_scale", GATE), ("gate_up_proj_scale", UP),
                       ("down_proj_scale", 0)]  # fmt: skip
         wanted = {(part, e, shard) for e in self.expert_range for part, shard in parts}
