@@ -10,6 +10,8 @@ experts per row at load.
 
 from __future__ import annotations
 
+import multiprocessing
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
@@ -121,9 +123,13 @@ def test_expert_parallel_fp8_equals_one_rank(checkpoint):
 
 @pytest.mark.parametrize("checkpoint", ["hf_block"], indirect=True)
 def test_tensor_parallel_that_cuts_expert_blocks_is_refused_at_start(checkpoint):
+    """Both ranks refuse it while building; rank 0 stops rank 1 and leaves the process group,
+    so no rank process outlives the error (before, rank 1's exit later ended this process)."""
     _, folder, _ = checkpoint
     with pytest.raises(Exception, match=r"expert intermediate columns 0\.\.64 of 128 are not "):
         generate(folder, tp=2)
+    assert multiprocessing.active_children() == []
+    assert not torch.distributed.is_initialized()
 
 
 def test_quantization_flag_quantizes_experts_per_row_at_load(tmp_path):
