@@ -11,7 +11,7 @@
 #   e) time allowing (started before W8_BEFORE_S, default 400 s): Qwen2.5-7B W8A8 with a bf16 KV
 #      cache, decode and prefill (KV capacity at the same weights);
 #   f) only when PARTS names qm: Qwen3-30B-A3B bf16, then a config stating 128 x 128 blocks
-#      (W8A8 dense layers, weight-only FP8 experts) + FP8 KV: decode and prefill, and its
+#      (W8A8 dense layers and experts) + FP8 KV: decode and prefill, and its
 #      kernel profile;
 # then benchmarks/fp8_report.py: one table, each target, measured, PASS or MISS by how much.
 #   bash benchmarks/fp8_gpu_suite.sh

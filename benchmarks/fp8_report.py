@@ -5,7 +5,7 @@ after the other on one GPU); each floor comes from the ceilings its own run meas
     python benchmarks/fp8_report.py RESULTS_DIR [--kernel-log RESULTS_DIR/q7_fp8.log ...]
 
 RESULTS_DIR holds, per model prefix (q7: Qwen2.5-7B, FP8 per channel; q3: Qwen3-8B, FP8
-128 x 128 blocks; optionally qm: Qwen3-30B-A3B, FP8 blocks, weight-only experts),
+128 x 128 blocks; optionally qm: Qwen3-30B-A3B, FP8 blocks, W8A8 experts),
 `bench_engine.py` results PREFIX_bf16.json (bf16 weights and KV),
 PREFIX_fp8.json (FP8 weights and KV) and optionally PREFIX_w8.json (FP8 weights, bf16 KV), and
 `bench_transfer.py` results transfer_bf16.json and transfer_fp8.json (bf16 and FP8 pools). A

@@ -256,8 +256,24 @@ class NodePair:
         raise AssertionError(f"{request_id} did not finish: {first} + {rows}")
 
     def close(self) -> None:
-        for node in (self.decode, self.prefill):
-            if node is not None:
-                node.close()
-                node.channel.close()
-        self.router.close(linger=0)
+        close_nodes(self.decode, self.prefill, self.router)
+
+
+def close_nodes(decode, prefill, router) -> None:
+    """Close a decode node, its prefill node (None when colocated) and the test's router
+    socket."""
+    for node in (decode, prefill):
+        if node is not None:
+            node.close()
+            node.channel.close()
+    router.close(linger=0)
+
+
+def colocated_tokens(folder: str, tmp_path, params: SamplingParams,
+                     prompts: list[list[int]]) -> list[list[int]]:  # fmt: skip
+    """Each prompt's tokens from a colocated node on `folder`: the PD tests' baseline."""
+    node = NodePair(folder, tmp_path, params, colocated=True)
+    try:
+        return [node.generate(f"c{i}", p) for i, p in enumerate(prompts)]
+    finally:
+        node.close()

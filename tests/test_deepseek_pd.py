@@ -27,6 +27,7 @@ from tests.hf_oracle import hf_greedy
 from tests.node_harness import (
     BLOCK_SIZE,
     NodePair,
+    colocated_tokens,
     engine_config,
     node_config,
     save_tiny_model,
@@ -65,11 +66,7 @@ def latent_bytes(prompt_tokens: int) -> int:
 
 def test_pd_over_zmq_gives_hf_and_colocated_tokens_and_moves_the_latents_bytes(deepseek, tmp_path):
     folder, expected = deepseek
-    colocated = NodePair(folder, tmp_path, greedy(NEW_TOKENS), colocated=True)
-    try:
-        assert [colocated.generate(f"c{i}", p) for i, p in enumerate(PROMPTS)] == expected
-    finally:
-        colocated.close()
+    assert colocated_tokens(folder, tmp_path, greedy(NEW_TOKENS), PROMPTS) == expected
     pd = NodePair(folder, tmp_path, greedy(NEW_TOKENS))
     try:
         for i, (prompt, want) in enumerate(zip(PROMPTS, expected, strict=True)):

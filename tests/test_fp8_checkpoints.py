@@ -100,13 +100,19 @@ def reference_logprobs(model, prompt: list[int], tokens: list[int]) -> list[floa
     return [logprobs[r, t].item() for r, t in zip(rows, tokens, strict=True)]
 
 
+def assert_like_reference(reference, prompt_list, outputs, new_tokens: int, tol: float,
+                          label: str = "") -> None:  # fmt: skip
+    """Each output is the reference's greedy continuation of its prompt, and the sampled
+    tokens' logprobs are within `tol` of the reference's."""
+    for prompt, out in zip(prompt_list, outputs, strict=True):
+        assert out.token_ids == hf_greedy(reference, prompt, new_tokens), label
+        expected = reference_logprobs(reference, prompt, out.token_ids)
+        assert max_diff(out.logprobs, expected) < tol
+
+
 def test_checkpoint_format_is_detected_and_greedy_equals_dequantized_reference(checkpoint):
     fmt, folder, reference = checkpoint
-    outputs = generate(folder)
-    for prompt, out in zip(prompts(), outputs, strict=True):
-        assert out.token_ids == hf_greedy(reference, prompt, NEW_TOKENS), fmt
-        expected = reference_logprobs(reference, prompt, out.token_ids)
-        assert max_diff(out.logprobs, expected) < LOGPROB_TOL
+    assert_like_reference(reference, prompts(), generate(folder), NEW_TOKENS, LOGPROB_TOL, fmt)
 
 
 def test_fp8_weights_stay_fp8_and_lm_head_and_embeddings_high_precision(checkpoint):
@@ -140,7 +146,4 @@ def test_per_channel_fp8_at_tp2_equals_its_rank_local_reference(checkpoint):
     cls, make_config = MODELS[fmt]
     _, dequantized = checkpoint_weights(fmt)
     reference = fp8_checkpoints.reference(cls, make_config(), dequantized, fmt, tp=2)
-    for prompt, out in zip(prompts(), generate(folder, 2), strict=True):
-        assert out.token_ids == hf_greedy(reference, prompt, NEW_TOKENS)
-        expected = reference_logprobs(reference, prompt, out.token_ids)
-        assert max_diff(out.logprobs, expected) < LOGPROB_TOL
+    assert_like_reference(reference, prompts(), generate(folder, 2), NEW_TOKENS, LOGPROB_TOL)

@@ -19,8 +19,7 @@ from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 from common import LLM, SamplingParams
 from common.model.quantization import fp8_ops
 from tests import fp8_checkpoints
-from tests.hf_oracle import hf_greedy
-from tests.test_fp8_checkpoints import max_diff, reference_logprobs
+from tests.test_fp8_checkpoints import assert_like_reference, max_diff
 from tests.tiny_models import TINY_SHAPE
 
 VOCAB, NEW_TOKENS = 384, 8
@@ -89,10 +88,7 @@ def generate(folder: str, **options):
 
 def test_fp8_moe_checkpoint_greedy_equals_the_dequantized_reference(checkpoint):
     fmt, folder, reference = checkpoint
-    for prompt, out in zip(prompts(), generate(folder), strict=True):
-        assert out.token_ids == hf_greedy(reference, prompt, NEW_TOKENS), fmt
-        expected = reference_logprobs(reference, prompt, out.token_ids)
-        assert max_diff(out.logprobs, expected) < LOGPROB_TOL
+    assert_like_reference(reference, prompts(), generate(folder), NEW_TOKENS, LOGPROB_TOL, fmt)
 
 
 def test_fp8_experts_are_held_in_fp8_with_the_checkpoints_scales(checkpoint):

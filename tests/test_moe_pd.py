@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.hf_oracle import hf_greedy
-from tests.node_harness import BLOCK_SIZE, NodePair
+from tests.node_harness import BLOCK_SIZE, NodePair, colocated_tokens
 from tests.test_moe_parallel import greedy, mixtral, qwen3_moe, save
 
 VOCAB = 384
@@ -51,11 +51,7 @@ def kv_bytes(config, prompt_tokens: int) -> int:
 
 def test_pd_over_zmq_gives_hf_and_colocated_tokens_and_moves_the_kv_bytes(moe, tmp_path):
     folder, config, expected = moe
-    colocated = NodePair(folder, tmp_path, greedy(NEW_TOKENS), colocated=True)
-    try:
-        assert [colocated.generate(f"c{i}", p) for i, p in enumerate(PROMPTS)] == expected
-    finally:
-        colocated.close()
+    assert colocated_tokens(folder, tmp_path, greedy(NEW_TOKENS), PROMPTS) == expected
     pd = NodePair(folder, tmp_path, greedy(NEW_TOKENS))
     try:
         assert pd.decode.worker.model.model.layers[0].mlp.experts.num_experts == (

@@ -36,7 +36,14 @@ from common.protocol.messages import (
 from common.protocol.sampling_params import SamplingParams
 from decode_node.node import DecodeNode
 from prefill_node.node import PrefillNode
-from tests.node_harness import MAX_STEPS, drain, engine_config, pull, save_tiny_model
+from tests.node_harness import (
+    MAX_STEPS,
+    close_nodes,
+    drain,
+    engine_config,
+    pull,
+    save_tiny_model,
+)
 from tests.test_kv_format_refusal import assert_no_block_held
 
 VOCAB = 256  # save_tiny_model's
@@ -166,11 +173,7 @@ class Nodes:
         assert_no_block_held(self.decode, self.prefill)
 
     def close(self) -> None:
-        for node in (self.decode, self.prefill):
-            if node is not None:
-                node.close()
-                node.channel.close()
-        self.router.close(linger=0)
+        close_nodes(self.decode, self.prefill, self.router)
 
 
 class ReferenceProposer:
