@@ -13,6 +13,8 @@
 #   f) only when PARTS names qm: Qwen3-30B-A3B bf16, then a config stating 128 x 128 blocks
 #      (W8A8 dense layers and experts) + FP8 KV: decode and prefill, and its
 #      kernel profile;
+#   g) only when PARTS names ds: Moonlight-16B-A3B (DeepSeek-V3 architecture) likewise, the
+#      FP8 run with an FP8 latent cache, and its kernel profile;
 # then benchmarks/fp8_report.py: one table, each target, measured, PASS or MISS by how much.
 #   bash benchmarks/fp8_gpu_suite.sh
 # $OUT gets 8 files (what the device tool brings back): the engine results q7_bf16, q7_fp8,
@@ -83,6 +85,8 @@ q3_bf16=(--model "$WORK/qwen3-8b" --parts decode prefill)
 q3_fp8=(--model "$WORK/qwen3-8b-fp8-block" --parts decode prefill)
 qm=benchmarks/configs/qwen3-30b-a3b
 $PY benchmarks/fp8_config.py "$qm" "$WORK/qwen3-30b-a3b-fp8-block" "${tiny[@]}" >/dev/null
+ds=benchmarks/configs/moonlight-16b-a3b
+$PY benchmarks/fp8_config.py "$ds" "$WORK/moonlight-fp8-block" >/dev/null
 
 PARTS=" ${PARTS:-q7 q3 transfer w8} "
 want() { [[ "$PARTS" == *" $1 "* ]]; }
@@ -107,6 +111,12 @@ if want qm; then
   PDSERVE_PDL=0 engine kernels/qm_fp8 --model "$WORK/qwen3-30b-a3b-fp8-block" "${FP8[@]}" \
     "${profile[@]}"
 fi
+if want ds; then
+  engine ds_bf16 --model "$ds" --parts decode prefill
+  engine ds_fp8 --model "$WORK/moonlight-fp8-block" --parts decode prefill "${FP8[@]}"
+  PDSERVE_PDL=0 engine kernels/ds_fp8 --model "$WORK/moonlight-fp8-block" "${FP8[@]}" \
+    "${profile[@]}"
+fi
 if want transfer; then
   transfer bf16 --sizes-mb "${sizes[@]}"
   transfer fp8 --sizes-mb "${sizes_fp8[@]}" --kv-cache-dtype fp8
@@ -122,6 +132,7 @@ echo "=== report ($(date +%T), ${SECONDS}s)"
 cp "$RUN"/*.json "$OUT"/
 $PY benchmarks/fp8_report.py "$RUN" --kernel-log "$RUN/kernels/q7_fp8.log" \
   --kernel-log "$RUN/kernels/q3_fp8.log" --kernel-log "$RUN/kernels/qm_fp8.log" \
+  --kernel-log "$RUN/kernels/ds_fp8.log" \
   >"$RUN/report.txt" 2>&1
 tar -C "$RUN" -czf "$OUT/fp8_suite.tgz" .
 cat "$RUN/report.txt"

@@ -5,7 +5,8 @@ after the other on one GPU); each floor comes from the ceilings its own run meas
     python benchmarks/fp8_report.py RESULTS_DIR [--kernel-log RESULTS_DIR/q7_fp8.log ...]
 
 RESULTS_DIR holds, per model prefix (q7: Qwen2.5-7B, FP8 per channel; q3: Qwen3-8B, FP8
-128 x 128 blocks; optionally qm: Qwen3-30B-A3B, FP8 blocks, W8A8 experts),
+128 x 128 blocks; optionally qm: Qwen3-30B-A3B, FP8 blocks, W8A8 experts; ds:
+Moonlight-16B-A3B (DeepSeek-V3), FP8 blocks with kv_b_proj dequantized, FP8 latent cache),
 `bench_engine.py` results PREFIX_bf16.json (bf16 weights and KV),
 PREFIX_fp8.json (FP8 weights and KV) and optionally PREFIX_w8.json (FP8 weights, bf16 KV), and
 `bench_transfer.py` results transfer_bf16.json and transfer_fp8.json (bf16 and FP8 pools). A
@@ -24,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 MODELS = {"q7": "Qwen2.5-7B per-channel", "q3": "Qwen3-8B block"}
-# Reported only when the suite ran them (PARTS=qm): issue 22's FP8 experts, the same bars.
-OPTIONAL_MODELS = {"qm": "Qwen3-30B-A3B block"}
+# Reported only when the suite ran them (PARTS=qm, ds): issue 22's FP8 experts and FP8
+# DeepSeek (Moonlight-16B-A3B, the DeepSeek-V3 architecture), the same bars.
+OPTIONAL_MODELS = {"qm": "Qwen3-30B-A3B block", "ds": "Moonlight-16B-A3B block"}
 DECODE_FLOOR_RATIO = 1.25  # FP8 decode step / its floor, greedy, batch 1, 32, 128
 DECODE_B1_SPEEDUP = 1.7  # bf16 step / FP8 step at batch 1
 PREFILL_SPEEDUP = 1.45  # bf16 / FP8 prefill time, 2k and 8k tokens

@@ -116,9 +116,10 @@ def _quantize(
 
 
 def is_quantized(name: str) -> bool:
-    """A decoder linear layer's or an expert's weight (not a router's `gate.weight`)."""
+    """A decoder linear layer's (DeepSeek's `kv_a_proj_with_mqa` too) or an expert's weight
+    (not a router's `gate.weight`)."""
     return name.startswith("model.layers.") and (
-        name.endswith("_proj.weight") or _EXPERT.match(name) is not None
+        name.endswith(("_proj.weight", "_proj_with_mqa.weight")) or _EXPERT.match(name) is not None
     )
 
 
@@ -214,12 +215,16 @@ def _calibrate(hf, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 ROW_PARALLEL = ("o_proj", "down_proj")
+# DeepSeek's kv_b_proj is written in FP8 like every projection, but pdserve folds it into the
+# latent attention as a 16-bit weight (dequantized at load): its input is never quantized.
+HIGH_PRECISION_INPUT = ("kv_b_proj",)
 
 
 def reference(hf_cls, config, dequantized: dict[str, torch.Tensor], fmt: str, tp: int = 1):
-    """HF float32 on the dequantized weights, each decoder linear's input fake-quantized. At
-    `tp` > 1 a row-parallel layer's input is quantized per rank's slice of its columns, as
-    each rank does (a dynamic per-token scale is then the amax of that slice)."""
+    """HF float32 on the dequantized weights, each decoder linear's input (but
+    HIGH_PRECISION_INPUT's) fake-quantized. At `tp` > 1 a row-parallel layer's input is
+    quantized per rank's slice of its columns, as each rank does (a dynamic per-token scale
+    is then the amax of that slice)."""
     _, _, acts = FORMATS[fmt]
     model = hf_cls(config).eval()
     weights = {k: v for k, v in dequantized.items() if not k.endswith("input_scale")}
@@ -232,7 +237,8 @@ def reference(hf_cls, config, dequantized: dict[str, torch.Tensor], fmt: str, tp
         if type(module).__name__.endswith("Experts") and name.startswith("model.layers."):
             experts_acts = "group" if acts == "group" else "token"
             module.forward = functools.partial(_experts_w8a8, module, experts_acts)
-        if isinstance(module, torch.nn.Linear) and name.startswith("model.layers."):
+        decoder_linear = isinstance(module, torch.nn.Linear) and name.startswith("model.layers.")
+        if decoder_linear and not name.endswith(HIGH_PRECISION_INPUT):
             scale = dequantized.get(f"{name}.input_scale")
             parts = tp if name.endswith(ROW_PARALLEL) else 1
             module.register_forward_pre_hook(

@@ -101,11 +101,11 @@ def reference_logprobs(model, prompt: list[int], tokens: list[int]) -> list[floa
 
 
 def assert_like_reference(reference, prompt_list, outputs, new_tokens: int, tol: float,
-                          label: str = "") -> None:  # fmt: skip
-    """Each output is the reference's greedy continuation of its prompt, and the sampled
-    tokens' logprobs are within `tol` of the reference's."""
+                          label: str = "", use_cache: bool = True) -> None:  # fmt: skip
+    """Each output is the reference's greedy continuation of its prompt (`hf_greedy`'s
+    `use_cache`), and the sampled tokens' logprobs are within `tol` of the reference's."""
     for prompt, out in zip(prompt_list, outputs, strict=True):
-        assert out.token_ids == hf_greedy(reference, prompt, new_tokens), label
+        assert out.token_ids == hf_greedy(reference, prompt, new_tokens, use_cache), label
         expected = reference_logprobs(reference, prompt, out.token_ids)
         assert max_diff(out.logprobs, expected) < tol
 

@@ -44,6 +44,20 @@ def test_compressed_tensors_int4_is_refused_naming_its_scheme():
         parse_quantization_config({**raw, "config_groups": {"g": group}})
 
 
+def test_routers_may_be_left_unquantized_but_no_other_decoder_layer():
+    """MoE checkpoints list their routers as llm-compressor writes them, by name or pattern;
+    pdserve never quantizes routers, so these load. Any other layer left out is refused."""
+    from tests.fp8_checkpoints import FORMATS
+
+    raw = FORMATS["ct_channel"][0]
+    routers = ["lm_head", "re:.*mlp.gate$", "model.layers.0.mlp.gate", "re:.*block_sparse_moe.gate"]
+    assert parse_quantization_config({**raw, "ignore": routers}).weights == "channel"
+    hf = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    assert parse_quantization_config({**hf, "modules_to_not_convert": routers[1:]}) is not None
+    with pytest.raises(ValueError, match=r"leaves layers \['model.layers.0.mlp.gate_proj'\]"):
+        parse_quantization_config({**raw, "ignore": [*routers, "model.layers.0.mlp.gate_proj"]})
+
+
 def test_quantization_fp8_on_the_embedded_model_loads_and_generates():
     params = SamplingParams(temperature=0, max_tokens=8)
     with LLM(device="cpu", quantization="fp8", max_num_batched_tokens=512) as llm:

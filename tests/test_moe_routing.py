@@ -332,27 +332,6 @@ def test_router_module_routes_on_the_gpu_as_on_the_cpu():
     assert torch.equal(on_gpu[1].cpu().sort(1).values, on_cpu[1].sort(1).values)
 
 
-def test_fp8_latent_attention_models_are_refused_with_the_architecture_named():
-    """FP8 covers the Llama family's dense layers and experts; DeepSeek's latent attention
-    folds kv_b_proj into its kernels in 16 bits, so an FP8 DeepSeek model stops at build time
-    with one line, before any weight is read."""
-    from common.model.deepseek import DeepseekV2ForCausalLM
-    from common.model.quantization.selection import linear_method_for
-    from common.model.spec import ModelSpec
-
-    config = DeepseekV2Config(
-        architectures=["DeepseekV2ForCausalLM"], vocab_size=64, hidden_size=32,
-        intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4,
-        num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
-        qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=0,
-    )  # fmt: skip
-    spec = ModelSpec.from_hf_config(config)
-    method = linear_method_for(spec, "fp8", "dummy")
-    with torch.device("meta"), pytest.raises(ValueError, match="DeepseekV2ForCausalLM: quantized"):
-        DeepseekV2ForCausalLM(spec, 64, linear_method=method)
-
-
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_float32_logits_are_the_float32_matmul_of_the_same_values(device):
     """Large steps' router logits (`float32_logits`): on CUDA a 16-bit GEMM with a float32

@@ -9,6 +9,12 @@ every head; only these two are cached (`ForwardContext.latent_attention`). `kv_b
 latent to each head's non-rotary key and value; the attention backend uses it in absorbed form
 (`LatentProjection`): no per-head key or value is ever materialised for decode.
 
+FP8 checkpoints (DeepSeek-V3's own 128x128 blocks, or any format `common.model.quantization`
+reads): every linear layer takes the checkpoint's method, and the experts its `Fp8Experts`,
+except `kv_b_proj`. The attention folds that one into its kernels as a plain 16-bit weight, so
+its FP8 tensor is dequantized at load with its scale (`dequantize_kv_b_proj`), as vLLM and
+SGLang do; its input, the latent, is never quantized.
+
 Tensor parallelism: heads split over ranks (`q_proj` / `q_b_proj` and `kv_b_proj`
 column-parallel by heads, `o_proj` row-parallel); `q_a_proj` and `kv_a_proj_with_mqa` are whole
 on every rank, so each rank computes and caches the whole latent. Feed-forward per layer is
@@ -19,18 +25,19 @@ on every rank, so each rank computes and caches the whole latent. Feed-forward p
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
 from common.model.attention.base import ForwardContext, LatentProjection
 from common.model.distributed import TPGroup
-from common.model.layers.basic import RMSNorm, RotaryEmbedding
+from common.model.layers.basic import RMSNorm, RotaryEmbedding, quantize
 from common.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from common.model.llama import LlamaForCausalLM, layer_index
 from common.model.parallel import StageLayers
-from common.model.quantization import LinearMethod, UnquantizedLinearMethod
+from common.model.quantization import LinearMethod
+from common.model.quantization.fp8_ops import FP8, dequantize_weight
 from common.model.spec import ModelSpec
 
 # DeepSeek's reference code builds q_a_layernorm and kv_a_layernorm with RMSNorm's default eps,
@@ -95,7 +102,8 @@ class MLAttention(nn.Module):
         if mla.q_lora_rank is None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_a = self.q_a_layernorm(self.q_a_proj(x), quant=self.q_b_proj.input_quant)
+            q = self.q_b_proj(q_a)
         q = q.view(-1, self.num_heads, mla.qk_head_dim)
         q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split(
@@ -106,12 +114,13 @@ class MLAttention(nn.Module):
         out = ctx.latent_attention(
             self.layer, q_nope, q_pe, latent, k_pe.squeeze(1), self.projection()
         )
-        return self.o_proj(out.reshape(-1, self.num_heads * mla.v_head_dim))
+        out = out.reshape(-1, self.num_heads * mla.v_head_dim)
+        return self.o_proj(quantize(out, self.o_proj.input_quant))
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
     """`LlamaForCausalLM` with `MLAttention`; the same embedding, norms, LM head, feed-forward
-    and checkpoint loading. Linear layers are unquantized (an FP8 checkpoint is refused)."""
+    and checkpoint loading (an FP8 `kv_b_proj` dequantized first: module docstring)."""
 
     attention = MLAttention
     packed_modules = {"gate_up_proj": ("gate_proj", "up_proj")}
@@ -126,18 +135,57 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     ) -> None:
         if spec.mla is None:
             raise ValueError(f"{spec.architecture}: a DeepSeek model needs an MLA spec")
-        if linear_method is not None and not isinstance(linear_method, UnquantizedLinearMethod):
-            raise ValueError(
-                f"{spec.architecture}: quantized weights are not supported yet; serve this "
-                "checkpoint in bf16"
-            )
         super().__init__(spec, max_positions, tp, linear_method, stage)
+        config = getattr(linear_method, "config", None)
+        self.weight_block = getattr(config, "block", None) or (128, 128)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """As `LlamaForCausalLM.load_weights`, skipping the multi-token-prediction layers that
         published V3 checkpoints append after the last decoder layer."""
         num_layers = self.spec.num_layers
-        super().load_weights((n, t) for n, t in weights if layer_index(n) < num_layers)
+        kept = ((n, t) for n, t in weights if layer_index(n) < num_layers)
+        super().load_weights(dequantize_kv_b_proj(kept, self.weight_block, self.dtype))
+
+
+_KV_B_TENSORS = ("weight", "weight_scale_inv", "weight_scale", "input_scale")
+
+
+def dequantize_kv_b_proj(
+    weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int], dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`weights` as they come, except each FP8 `kv_b_proj.weight`: held until its scale
+    (`weight_scale_inv` or `weight_scale`, in either order) arrives, then yielded dequantized
+    to `dtype`. The scale is consumed here, and an `input_scale` dropped: the latent that
+    kv_b_proj multiplies is never quantized. A weight or scale left without its partner is a
+    ValueError."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        prefix, _, kind = name.rpartition(".")
+        if not prefix.endswith(".kv_b_proj") or kind not in _KV_B_TENSORS:
+            yield name, tensor
+            continue
+        if kind == "input_scale":
+            continue
+        if kind == "weight" and tensor.dtype != FP8:
+            yield name, tensor
+            continue
+        parts = pending.setdefault(prefix, {})
+        parts[kind] = tensor
+        if "weight" in parts and len(parts) == 2:
+            weight = parts.pop("weight")
+            (scale,) = parts.values()
+            del pending[prefix]
+            try:
+                dense = dequantize_weight(weight, scale, block)
+            except ValueError as e:
+                raise ValueError(f"tensor {prefix}.weight: {e}") from e
+            yield f"{prefix}.weight", dense.to(dtype)
+    if pending:
+        prefix, parts = next(iter(pending.items()))
+        raise ValueError(
+            f"checkpoint has {prefix}.{next(iter(parts))} without its "
+            f"{'scale' if 'weight' in parts else 'FP8 weight'}"
+        )
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

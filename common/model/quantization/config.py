@@ -17,6 +17,7 @@ Formats read (as published; the tensor names are what the checkpoint files hold)
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,10 +120,14 @@ def _compressed_tensors(raw: dict[str, Any]) -> QuantConfig:
     return QuantConfig(strategy, "static" if static else "token")
 
 
+# A mixture-of-experts router, by name or as llm-compressor's pattern ("re:.*mlp.gate$").
+_ROUTER = re.compile(r"(mlp|block_sparse_moe)\\?\.gate\$?$")
+
+
 def _check_ignored(ignored: list[str]) -> None:
-    """Only the LM head may be listed: our one linear method serves every decoder layer (the
-    LM head and embeddings are never quantized here)."""
-    others = [name for name in ignored if not name.endswith("lm_head")]
+    """Only the LM head and the routers may be listed: our one linear method serves every
+    decoder layer (the LM head, embeddings and routers are never quantized here)."""
+    others = [n for n in ignored if not n.endswith("lm_head") and not _ROUTER.search(n)]
     if others:
         raise ValueError(
             f"checkpoint leaves layers {others[:4]} unquantized; pdserve supports FP8 "

@@ -88,3 +88,25 @@ def expand_blocks(
     """Block scales [ceil(N / bn), ceil(K / bk)] as one scale per element of an [N, K] weight."""
     rows = scale.repeat_interleave(block[0], dim=0)[: shape[0]]
     return expand_groups(rows, block[1], shape[1])
+
+
+def dequantize_weight(
+    q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128)
+) -> torch.Tensor:
+    """An FP8 checkpoint weight [N, K] with its stored scale -> float32 [N, K]. The scale's
+    shape says its layout: one scalar ([] or [1]), one per row ([N, 1] or [N]), or `block`
+    tiles [ceil(N / bn), ceil(K / bk)] (`weight_scale_inv`)."""
+    n, k = q.shape
+    s = scale.float()
+    if s.numel() == 1:
+        full = s.reshape(())
+    elif s.shape in ((n,), (n, 1)):
+        full = s.reshape(n, 1)
+    elif s.shape == (-(-n // block[0]), -(-k // block[1])):
+        full = expand_blocks(s, block, (n, k))
+    else:
+        raise ValueError(
+            f"scale of shape {tuple(s.shape)} fits no FP8 layout of a [{n}, {k}] weight "
+            f"(one scalar, one per row, or {block[0]}x{block[1]} blocks)"
+        )
+    return q.float() * full
