@@ -224,9 +224,15 @@ def _strides(q_nope, q_pe, out, cache, block_tables) -> tuple[int, ...]:
             out.stride(1), cache.stride(0), cache.stride(1), block_tables.stride(0))  # fmt: skip
 
 
-def _block_n(cache: torch.Tensor) -> int:
-    """Keys per tile: 32 rows of 576 bf16 (or FP8) values, 16 of fp32 (shared memory)."""
-    return 16 if cache.element_size() == 4 else 32
+def _block_n(cache: torch.Tensor, q_dtype: torch.dtype) -> int:
+    """Keys per tile, as many as shared memory holds beside the q tile (227 KB a program on
+    H100/H200). 64 rows of 576 values for a 16-bit q over a 16-bit or FP8 cache: on an H200
+    22-30% faster than 32 (bf16 and FP8 caches, 512 to 8192 new tokens, none or 4096 cached;
+    `docs/bench/mla_h200_prefill_tiles.json`); 128 overflows. An fp32 q over an FP8 cache
+    keeps 32, an fp32 cache 16."""
+    if cache.element_size() == 4:
+        return 16
+    return 32 if q_dtype.itemsize == 4 else 64
 
 
 def paged_mla_prefill(
@@ -271,7 +277,7 @@ def paged_mla_prefill(
         q_nope, q_pe, cache, out, query_start_loc, seq_lens, block_tables, scale_log2, kv_scale,
         num_heads, *_strides(q_nope, q_pe, out, cache, block_tables), BLOCK_H=block_h,
         BLOCK_Q=block_q, PAGE_SIZE=cache.shape[1], DC=dc, DR=q_pe.shape[2],
-        BLOCK_N=block_n or _block_n(cache), KV_FP8=kv_fp8, num_warps=8 if rows > 32 else 4,
+        BLOCK_N=block_n or _block_n(cache, q_nope.dtype), KV_FP8=kv_fp8, num_warps=8 if rows > 32 else 4,
         num_stages=2,
     )  # fmt: skip
     return out
