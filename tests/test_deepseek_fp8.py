@@ -30,9 +30,9 @@ from common import LLM, SamplingParams
 from common.model.deepseek import dequantize_kv_b_proj
 from common.model.quantization import fp8_ops
 from tests import fp8_checkpoints
-from tests.test_fp8_checkpoints import assert_like_reference, max_diff
+from tests.test_fp8_checkpoints import OPTIONS, VOCAB, assert_like_reference, max_diff, prompts
 
-VOCAB, NEW_TOKENS = 384, 8
+NEW_TOKENS = 8
 # As tests/test_moe_fp8.py: an input that lands on the other side of an FP8 rounding boundary
 # (our kernels sum in another order than HF's) moves a logprob through the quantized inputs
 # and the routing by a few hundredths.
@@ -57,12 +57,6 @@ MODELS = {
         **SHAPE, q_lora_rank=None, topk_method="greedy", routed_scaling_factor=1.5
     ),
 }
-OPTIONS = dict(device="cpu", block_size=16, max_num_batched_tokens=256, num_kv_blocks=64)
-
-
-def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (1, 17, 40)]
 
 
 def greedy() -> SamplingParams:

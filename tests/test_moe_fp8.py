@@ -19,10 +19,10 @@ from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 from common import LLM, SamplingParams
 from common.model.quantization import fp8_ops
 from tests import fp8_checkpoints
-from tests.test_fp8_checkpoints import assert_like_reference, max_diff
+from tests.test_fp8_checkpoints import OPTIONS, VOCAB, assert_like_reference, max_diff, prompts
 from tests.tiny_models import TINY_SHAPE
 
-VOCAB, NEW_TOKENS = 384, 8
+NEW_TOKENS = 8
 # Our kernels sum in another order than HF's, so an input lands on the other side of an FP8
 # rounding boundary now and then (a dense block model: up to 7e-3 on the 40-token prompt); in
 # these models one such flip moved a sampled token's logprob by 0.042 (the block format, the
@@ -33,7 +33,6 @@ LOGPROB_TOL = 0.1
 # passes with CI's torch 2.13 on CPU. With torch 2.11 (the GPU machine's)
 # one of the block model's prompts takes another token at the 4th step, and
 # tests/test_fp8_checkpoints.py's per-channel TP 2 case misses its logprob bound.
-OPTIONS = dict(device="cpu", block_size=16, max_num_batched_tokens=256, num_kv_blocks=64)
 
 
 def qwen3_moe() -> Qwen3MoeConfig:
@@ -54,11 +53,6 @@ def mixtral() -> MixtralConfig:
 
 
 MODELS = {"hf_block": qwen3_moe, "hf_tensor_static": mixtral}
-
-
-def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (1, 17, 40)]
 
 
 def greedy() -> SamplingParams:

@@ -12,8 +12,8 @@ latent to each head's non-rotary key and value; the attention backend uses it in
 FP8 checkpoints (DeepSeek-V3's own 128x128 blocks, or any format `common.model.quantization`
 reads): every linear layer takes the checkpoint's method, and the experts its `Fp8Experts`,
 except `kv_b_proj`. The attention folds that one into its kernels as a plain 16-bit weight, so
-its FP8 tensor is dequantized at load with its scale (`dequantize_kv_b_proj`), as vLLM and
-SGLang do; its input, the latent, is never quantized.
+its FP8 tensor is dequantized at load with its scale (`dequantize_kv_b_proj`), as vLLM does
+for its absorbed weights; its input, the latent, is never quantized.
 
 Tensor parallelism: heads split over ranks (`q_proj` / `q_b_proj` and `kv_b_proj`
 column-parallel by heads, `o_proj` row-parallel); `q_a_proj` and `kv_a_proj_with_mqa` are whole

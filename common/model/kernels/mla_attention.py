@@ -273,11 +273,12 @@ def paged_mla_prefill(
     block_q = rows // block_h
     grid = (triton.cdiv(max_query_len, block_q), triton.cdiv(num_heads, block_h), num_seqs)
     scale_log2 = scale * LOG2E * (kv_scale if kv_fp8 else 1.0)
+    tile = block_n or _block_n(cache, q_nope.dtype)
     _prefill_kernel[grid](
         q_nope, q_pe, cache, out, query_start_loc, seq_lens, block_tables, scale_log2, kv_scale,
         num_heads, *_strides(q_nope, q_pe, out, cache, block_tables), BLOCK_H=block_h,
         BLOCK_Q=block_q, PAGE_SIZE=cache.shape[1], DC=dc, DR=q_pe.shape[2],
-        BLOCK_N=block_n or _block_n(cache, q_nope.dtype), KV_FP8=kv_fp8, num_warps=8 if rows > 32 else 4,
+        BLOCK_N=tile, KV_FP8=kv_fp8, num_warps=8 if rows > 32 else 4,
         num_stages=2,
     )  # fmt: skip
     return out
