@@ -4,9 +4,10 @@ Dr 64, 16-token pages in shuffled order, bf16 queries, per (new tokens, cached t
 
     python benchmarks/sweep_mla_prefill_tiles.py [--out mla_prefill_tiles.json]
 
-Each time is the median over 10 replays of a CUDA graph of 5 calls (launch overhead out),
-per call in us; `max_diff_vs_32` is the largest difference from the 32-key tile's output (the
-bf16 output's rounding). A tile that overflows shared memory is reported as its error. GPU only.
+Each time is the median over REPS replays of a CUDA graph of one call, in us (launch
+overhead out; `bench_mla_decode.time_us`); `max_diff_vs_32` is the largest difference from
+the 32-key tile's output (the bf16 output's rounding). A tile that overflows shared memory is
+reported as its error. GPU only.
 """
 
 from __future__ import annotations
@@ -19,29 +20,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_mla_decode import time_us  # noqa: E402
 from common.model.kernels import mla_attention  # noqa: E402
 
 HEADS, DC, DR, PAGE = 16, 512, 64, 16
 SHAPES = ((512, 0), (2048, 0), (8192, 0), (2048, 4096))  # (new tokens, cached tokens)
 TILES = (32, 64, 128)
-
-
-def graph_time_us(fn, calls: int = 5, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return sorted(times)[len(times) // 2]
+REPS = 20
 
 
 def sweep_shape(new: int, cached: int, dtype: torch.dtype) -> dict[str, object]:
@@ -67,7 +52,7 @@ def sweep_shape(new: int, cached: int, dtype: torch.dtype) -> dict[str, object]:
         try:
             out = call(tile).float()
             first = out if first is None else first
-            us = graph_time_us(lambda tile=tile: call(tile))
+            us = time_us(lambda tile=tile: call(tile), REPS, cuda=True)
             results[key] = {"us": round(us, 1), "max_diff_vs_32": (out - first).abs().max().item()}
         except Exception as e:  # shared memory overflow at compile time
             results[key] = f"{type(e).__name__}: {str(e)[:100]}"
