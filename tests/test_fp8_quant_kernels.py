@@ -189,19 +189,27 @@ def test_a_down_proj_wide_row_split_over_many_chunks_equals_one_program_per_row(
     assert_bit_equal(got, fp8_quant.silu_and_mul_fp8(x, quant("token"), token_path="row"))
 
 
-def test_decode_batches_and_wide_rows_split_and_narrow_prefill_rows_go_whole():
-    prefill, narrow = fp8_quant.SPLIT_MAX_ROWS + 1, fp8_quant.WHOLE_PREFERRED_COLUMNS
+def test_decode_batches_split_and_prefill_rows_go_whole():
+    prefill, widest = fp8_quant.SPLIT_MAX_ROWS + 1, fp8_quant.WHOLE_MAX_COLUMNS
     assert fp8_quant.default_token_path(1, 3584) == "partials"
-    assert fp8_quant.default_token_path(fp8_quant.SPLIT_MAX_ROWS, 3584) == "partials"
+    assert fp8_quant.default_token_path(fp8_quant.SPLIT_MAX_ROWS, 18944) == "partials"
     assert fp8_quant.default_token_path(prefill, 3584) == "whole"
-    assert fp8_quant.default_token_path(prefill, narrow) == "whole"
-    assert fp8_quant.default_token_path(prefill, narrow + 1) == "partials"  # down_proj's
+    assert fp8_quant.default_token_path(prefill, 18944) == "whole"  # down_proj's
+    assert fp8_quant.default_token_path(prefill, widest + 1) == "partials"
 
 
-def test_the_whole_row_path_refuses_a_row_wider_than_one_block():
+def test_the_whole_row_path_refuses_a_row_wider_than_it_holds():
     x = torch.ones(1, fp8_quant.WHOLE_MAX_COLUMNS + 16, device=DEVICE)
     with pytest.raises(ValueError, match="'whole' holds at most 32768 columns, got 32784"):
         fp8_quant.quantize_fp8(x, quant("token"), "whole")
+
+
+def test_a_row_is_held_in_at_most_three_power_of_two_pieces():
+    assert fp8_quant.whole_pieces(18944) == (16384, 2048, 512)  # Qwen2.5-7B's down_proj input
+    assert fp8_quant.whole_pieces(12288) == (8192, 4096, 0)  # Qwen3-8B's
+    assert fp8_quant.whole_pieces(3584) == (2048, 1024, 512)
+    assert fp8_quant.whole_pieces(100) == (128, 0, 0)
+    assert fp8_quant.whole_pieces(3648) == (2048, 1024, 1024)  # four needed: the third rounds up
 
 
 def test_an_unknown_token_path_is_a_value_error_naming_it():

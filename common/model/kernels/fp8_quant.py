@@ -2,9 +2,9 @@
 RMSNorm (+ residual add), SiLU-and-mul, and a plain quantization (attention output -> o_proj).
 
 RMSNorm: one program per token row. SiLU-and-mul and the plain quantization: per-token scales
-at decode sizes and on wide rows split each row over many programs (chunk maxima first), and
-a prefill batch's narrow rows take one program per row holding all of it (`TOKEN_PATHS`,
-`default_token_path`); group and static scales, one program per chunk. No host syncs (a static
+at decode sizes split each row over many programs (chunk maxima first), and a prefill batch's
+rows take one program per row holding all of it (`TOKEN_PATHS`, `default_token_path`); group
+and static scales, one program per chunk. No host syncs (a static
 scale is read on the device), so launches are capturable in CUDA graphs. Each kernel first
 rounds its output to the model dtype exactly as `fused_ops` does, then quantizes as
 `common.model.quantization.fp8_ops`: scale = max(amax * INV_FP8_MAX, MIN_SCALE),
@@ -34,24 +34,25 @@ _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 _TOKEN_STEP = 8192  # columns per loop step of a per-token row program
 _CHUNK = 1024  # columns per program of the group and static layouts
 # Where a token row's amax comes from.
-_PARTIALS, _RECOMPUTE, _WHOLE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+_PARTIALS, _RECOMPUTE = tl.constexpr(0), tl.constexpr(1)
 # How per-token scales are computed (`quantize_fp8`'s `token_path`): "row", one program per
-# row (two passes over it); "whole", one program per row holding all of it (one pass: the row
-# is read and, for SiLU-and-mul, computed once); "partials", chunk maxima from a first launch,
-# then one program per chunk; "recompute", one launch, each chunk's program redoing the row's
-# amax pass itself.
+# row (two passes over it); "whole", one program per row holding all of it in up to three
+# power-of-two blocks in the model dtype (`whole_pieces`: 18944 = 16384 + 2048 + 512; one
+# pass: the row is read and, for SiLU-and-mul, computed once); "partials", chunk maxima from a
+# first launch, then one program per chunk; "recompute", one launch, each chunk's program
+# redoing the row's amax pass itself.
 TOKEN_PATHS = ("row", "whole", "partials", "recompute")
-WHOLE_MAX_COLUMNS = 32768  # a row in one block: 32 values a thread at 32 warps
-# Prefill batches (more than SPLIT_MAX_ROWS rows): rows up to this wide take "whole", wider
-# ones "partials". On an H200 (`bench_fp8_linear.py --only 'quant\[|silu\['`, Qwen2.5-7B) the
-# o_proj input (3584 wide) took 10.6 / 35.0 us at 2048 / 8192 rows whole, against 15.2 / 53.5
-# one program per row; the down_proj input (SiLU-and-mul, 18944 wide) took 100 / 372 us with
-# partials, against 130 / 463 per row and 150 / 572 whole (spilling registers).
-WHOLE_PREFERRED_COLUMNS = 8192
+WHOLE_MAX_COLUMNS = 32768
+# Prefill batches (more than SPLIT_MAX_ROWS rows) take "whole". On an H200 (CUDA graphs of one
+# call, 2048 / 8192 rows; Qwen2.5-7B's and Qwen3-8B's inputs), against "partials": the
+# down_proj input (SiLU-and-mul, 18944 wide) 79 / 302 us against 101 / 372, 12288 wide 45 / 157
+# against 65 / 224; the o_proj input (3584 wide) 17 / 36 us against 21 / 58. Held as one
+# float32 block padded to a power of two (32768 for 18944), the wide rows spilled registers:
+# 151 / 572 us.
 # Up to this many rows (decode batches) a row is spread over many programs: one program per
 # row left an H200 at batch 1 with one SM quantizing an 18944-wide row (12.6 us a call, 0.70
 # ms of a 4.0 ms Qwen2.5-7B step); at batch 128 the row path still took 12.4 us a call (1.4
-# ms a step). Above it the rows alone fill the SMs, and narrow rows go whole (below).
+# ms a step). Above it the rows alone fill the SMs, and each row goes whole.
 SPLIT_MAX_ROWS = 256
 _SPLIT_PROGRAMS = 1024  # chunks sized for several programs per SM of an H100 / H200
 _SPLIT_MIN, _SPLIT_MAX = 256, 4096  # columns per chunk
@@ -153,9 +154,9 @@ def _rms_norm_fp8_kernel(
 
 
 @triton.jit
-def _row(x_row, n, offs, SILU: tl.constexpr):
-    """Columns `offs` of a row as fp32, 0 past `n`: the input itself, or `fused_ops`'s
-    silu(gate) * up rounded to the input dtype."""
+def _row_values(x_row, n, offs, SILU: tl.constexpr):
+    """Columns `offs` of a row in the input dtype, 0 past `n`: the input itself, or
+    `fused_ops`'s silu(gate) * up rounded to the input dtype."""
     mask = offs < n
     if SILU:
         gate = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
@@ -164,7 +165,57 @@ def _row(x_row, n, offs, SILU: tl.constexpr):
         y = (silu.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
     else:
         y = tl.load(x_row + offs, mask=mask, other=0.0)
-    return y.to(tl.float32)
+    return y
+
+
+@triton.jit
+def _row(x_row, n, offs, SILU: tl.constexpr):
+    """`_row_values` as fp32."""
+    return _row_values(x_row, n, offs, SILU).to(tl.float32)
+
+
+@triton.jit
+def _piece_amax(amax, y):
+    return tl.maximum(amax, tl.max(tl.abs(y.to(tl.float32)), 0))
+
+
+@triton.jit
+def _store_piece(q_row, offs, n, y, scale):
+    tl.store(q_row + offs, _fp8(y.to(tl.float32), scale), mask=offs < n)
+
+
+# fmt: off
+@triton.jit
+def _whole_row_kernel(
+    x_ptr, q_ptr, s_ptr, stride_x, n, SILU: tl.constexpr,
+    P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, PDL: tl.constexpr = False,
+):
+    # fmt: on
+    """Program r: row r held whole as blocks of P0, P1 and P2 columns (P1, P2 may be 0) in the
+    input dtype (each value is rounded to it anyway, so holding it there is exact and takes
+    half the registers of fp32): one read of the row, its amax, its scale, then the FP8 codes.
+    """
+    pdl_prologue(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    x_row, q_row = x_ptr + row * stride_x, q_ptr + row * n
+    o0 = tl.arange(0, P0)
+    y0 = _row_values(x_row, n, o0, SILU)
+    amax = _piece_amax(0.0, y0)
+    if P1 > 0:
+        o1 = P0 + tl.arange(0, P1)
+        y1 = _row_values(x_row, n, o1, SILU)
+        amax = _piece_amax(amax, y1)
+    if P2 > 0:
+        o2 = P0 + P1 + tl.arange(0, P2)
+        y2 = _row_values(x_row, n, o2, SILU)
+        amax = _piece_amax(amax, y2)
+    scale = _scale_of(amax)
+    tl.store(s_ptr + row, scale)
+    _store_piece(q_row, o0, n, y0, scale)
+    if P1 > 0:
+        _store_piece(q_row, o1, n, y1, scale)
+    if P2 > 0:
+        _store_piece(q_row, o2, n, y2, scale)
 
 
 @triton.jit
@@ -189,8 +240,8 @@ def _quantize_rows_kernel(
     time (span a multiple of BLOCK). Per-token scales need the row's amax first: AMAX ==
     _PARTIALS reads the num_parts chunk maxima `_chunk_amax_kernel` left in amax[r, :]
     (PARTS, a power of two, covers them); AMAX == _RECOMPUTE makes a pass over the whole row,
-    STEP columns at a time (the row is recomputed, not kept); AMAX == _WHOLE holds the whole
-    row in one BLOCK (one program per row). Program (r, 0) stores the scale.
+    STEP columns at a time (the row is recomputed, not kept). Program (r, 0) stores the
+    scale.
     Group and static scales need no row-wide value (span == BLOCK)."""
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -198,12 +249,7 @@ def _quantize_rows_kernel(
     s_row = s_ptr + row * num_scales
     offs = tl.arange(0, BLOCK)
     lo = tl.program_id(1) * span
-    if LAYOUT == _TOKEN and AMAX == _WHOLE:
-        y = _row(x_row, n, offs, SILU)
-        scale = _scale_of(tl.max(tl.abs(y), 0))
-        tl.store(s_row, scale)
-        tl.store(q_row + offs, _fp8(y, scale), mask=offs < n)
-    elif LAYOUT == _TOKEN:
+    if LAYOUT == _TOKEN:
         if AMAX == _PARTIALS:
             parts = tl.arange(0, PARTS)
             amax = tl.load(amax_ptr + row * num_parts + parts, mask=parts < num_parts, other=0.0)
@@ -300,9 +346,9 @@ def _quantize_rows(
 
 
 def default_token_path(rows: int, columns: int) -> str:
-    """Decode batches and wide rows spread each row over many programs; a prefill batch of
-    narrow rows reads each row once, in one block (WHOLE_PREFERRED_COLUMNS)."""
-    if rows > SPLIT_MAX_ROWS and columns <= WHOLE_PREFERRED_COLUMNS:
+    """Decode batches spread each row over many programs; a prefill batch reads each row
+    once, held whole (up to WHOLE_MAX_COLUMNS)."""
+    if rows > SPLIT_MAX_ROWS and columns <= WHOLE_MAX_COLUMNS:
         return "whole"
     return "partials"
 
@@ -312,14 +358,20 @@ def _quantize_tokens(x2: torch.Tensor, n: int, act: Fp8Activation, silu: bool, p
     exactly, so the scale, and every byte, is the same on each path."""
     m = x2.shape[0]
     step = max(128, min(_TOKEN_STEP, triton.next_power_of_2(n)))  # tiles of >= 128 columns
-    if path == "whole" and n > WHOLE_MAX_COLUMNS:
-        raise ValueError(f"token_path 'whole' holds at most {WHOLE_MAX_COLUMNS} columns, got {n}")
+    if path == "whole":
+        if n > WHOLE_MAX_COLUMNS:
+            raise ValueError(
+                f"token_path 'whole' holds at most {WHOLE_MAX_COLUMNS} columns, got {n}"
+            )
+        p0, p1, p2 = whole_pieces(n)
+        _whole_row_kernel[(m,)](
+            x2, act.data, act.scale, x2.stride(0), n, SILU=silu, P0=p0, P1=p1, P2=p2,
+            num_warps=whole_warps(n), **pdl_args(x2.device),
+        )  # fmt: skip
+        return
     if path == "row":
         block, parts, programs = step, 1, 1
         span = triton.cdiv(n, step) * step
-    elif path == "whole":
-        block = span = max(128, triton.next_power_of_2(n))
-        parts = programs = 1
     else:
         want = triton.next_power_of_2(triton.cdiv(m * n, _SPLIT_PROGRAMS))
         block = span = min(step, max(_SPLIT_MIN, min(_SPLIT_MAX, want)))
@@ -331,16 +383,34 @@ def _quantize_tokens(x2: torch.Tensor, n: int, act: Fp8Activation, silu: bool, p
             x2, amax, x2.stride(0), n, parts, SILU=silu, BLOCK=block, num_warps=_row_warps(block),
             **pdl_args(x2.device),
         )
-    widest = block if path in ("partials", "whole") else step
-    # A whole row of up to 32768 columns: up to 32 warps, so each thread holds <= 32 values.
-    warps = max(_row_warps(widest), widest // 1024) if path == "whole" else _row_warps(widest)
-    source = {"partials": _PARTIALS, "whole": _WHOLE}.get(path, _RECOMPUTE)
+    warps = _row_warps(block if path == "partials" else step)
+    source = _PARTIALS if path == "partials" else _RECOMPUTE
     _quantize_rows_kernel[(m, programs)](
         x2, act.data, act.scale, act.scale, amax, x2.stride(0), n, 1, span, parts,
         SILU=silu, LAYOUT=_LAYOUT["token"], AMAX=source, GROUP_SIZE=1,
         PARTS=triton.next_power_of_2(parts), STEP=step, BLOCK=block, num_warps=warps,
         **pdl_args(x2.device),
     )  # fmt: skip
+
+
+def whole_pieces(n: int) -> tuple[int, int, int]:
+    """Up to three powers of two (>= 128, zeros for unused) summing to at least `n`, the
+    largest first: n itself where three suffice (18944 = 16384 + 2048 + 512), else the third
+    rounded up."""
+    pieces, rest = [], n
+    while rest > 0 and len(pieces) < 2:
+        piece = max(128, 1 << (rest.bit_length() - 1))
+        pieces.append(piece)
+        rest -= piece
+    if rest > 0:
+        pieces.append(max(128, triton.next_power_of_2(rest)))
+    return tuple(pieces + [0] * (3 - len(pieces)))
+
+
+def whole_warps(n: int) -> int:
+    """Warps of a "whole" program: about 32 values of the row a thread, at most 16 warps (on
+    an H200, 18944 columns took 302 us at 8192 rows with 16 warps, 402 with 32, 344 with 8)."""
+    return max(4, min(16, triton.next_power_of_2(triton.cdiv(n, 32 * 32))))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
