@@ -60,7 +60,11 @@ CHANNEL_CONFIGS: tuple[tuple[int, TileConfig], ...] = (
 # Block-scaled: each group's product is scaled before it joins the accumulator, so the MMAs
 # cannot chain; beyond M = 64 cuBLASLt's block-scaled GEMM is about 2x faster where it applies
 # (`fp8_gemm.block_fp8_linear_cuda`), and these tiles are the fallback.
+# At M = 1 (`bench_fp8_linear.py --sweep`, Qwen3-8B's linears on an H200): 128 weight rows a
+# program on the MMA's M side, 3.10 ms a step against 3.28 for the M <= 16 tiles (which win
+# at M = 8: 2.88 against 3.02); the decode node loop at batch 1, 4.58 against 4.76 ms.
 BLOCK_CONFIGS: tuple[tuple[int, TileConfig], ...] = (
+    (1, TileConfig(16, 128, 256, 4, 3, True)),
     (16, TileConfig(16, 64, 256, 4, 4, False)),
     (32, TileConfig(32, 64, 256, 4, 4, True)),
     (64, TileConfig(64, 64, 128, 4, 4, True)),
