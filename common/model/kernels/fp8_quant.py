@@ -4,8 +4,8 @@ RMSNorm (+ residual add), SiLU-and-mul, and a plain quantization (attention outp
 RMSNorm: one program per token row. SiLU-and-mul and the plain quantization: per-token scales
 at decode sizes split each row over many programs (chunk maxima first), and a prefill batch's
 rows take one program per row holding all of it (`TOKEN_PATHS`, `default_token_path`); group
-and static scales, one program per chunk. No host syncs (a static
-scale is read on the device), so launches are capturable in CUDA graphs. Each kernel first
+and static scales, one program per chunk. No host syncs (a static scale is read on the
+device), so launches are capturable in CUDA graphs. Each kernel first
 rounds its output to the model dtype exactly as `fused_ops` does, then quantizes as
 `common.model.quantization.fp8_ops`: scale = max(amax * INV_FP8_MAX, MIN_SCALE),
 q = e4m3(clamp(y / scale, ±448)), bit for bit, stored through a uint8 view. Compiled kernels
@@ -42,7 +42,7 @@ _PARTIALS, _RECOMPUTE = tl.constexpr(0), tl.constexpr(1)
 # first launch, then one program per chunk; "recompute", one launch, each chunk's program
 # redoing the row's amax pass itself.
 TOKEN_PATHS = ("row", "whole", "partials", "recompute")
-WHOLE_MAX_COLUMNS = 32768
+WHOLE_MAX_COLUMNS = 32768  # a row held whole: 64 values a thread at 16 warps
 # Prefill batches (more than SPLIT_MAX_ROWS rows) take "whole". On an H200 (CUDA graphs of one
 # call, 2048 / 8192 rows; Qwen2.5-7B's and Qwen3-8B's inputs), against "partials": the
 # down_proj input (SiLU-and-mul, 18944 wide) 79 / 302 us against 101 / 372, 12288 wide 45 / 157
