@@ -55,6 +55,7 @@ from common.model.kernels.fused_moe_kernels import (
 )
 from common.model.kernels.moe_align import ONE_PROGRAM_PAIRS, MoEPlan, moe_align
 from common.model.kernels.pdl import pdl_args
+from common.model.layers.moe_routing import pairs_by_expert
 from common.model.quantization import fp8_experts
 from common.model.quantization.fp8_experts import ExpertScales
 
@@ -335,10 +336,7 @@ def moe_reference(
         return fp8_experts.reference(x, w13, w2, scales, topk_weights, topk_ids)
     acc = torch.zeros(x.shape[0], hidden, dtype=torch.float32, device=x.device)
     xf = x.float()
-    for expert in range(num_experts):
-        tokens, slots = (topk_ids == expert).nonzero(as_tuple=True)
-        if tokens.numel() == 0:
-            continue
+    for expert, tokens, slots in pairs_by_expert(topk_ids, num_experts):
         gate_up = xf[tokens] @ w13[expert].float().T
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         y = act @ w2[expert].float().T

@@ -26,7 +26,7 @@ from torch import nn
 from common.model import ops
 from common.model.distributed import TPGroup
 from common.model.layers.linear import even_split
-from common.model.layers.moe_routing import select_experts
+from common.model.layers.moe_routing import pairs_by_expert, select_experts
 from common.model.layers.weights import copy_checked
 from common.model.quantization import fp8_experts
 from common.model.quantization.fp8_experts import ExpertScales, Fp8Experts
@@ -246,11 +246,7 @@ def experts_reference(
     float32: the CPU path and the oracle of the GPU kernels. Ids outside (other ranks'
     experts under expert parallelism) contribute nothing."""
     out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
-    ids = ids.long()
-    for expert in torch.unique(ids).tolist():
-        if not 0 <= expert < gate_up.shape[0]:
-            continue
-        token, slot = torch.nonzero(ids == expert, as_tuple=True)
+    for expert, token, slot in pairs_by_expert(ids, gate_up.shape[0]):
         hidden = F.linear(x[token], gate_up[expert])
         hidden = ops.silu_and_mul(hidden)
         y = F.linear(hidden, down[expert]).float()

@@ -13,6 +13,8 @@ Static shapes only (topk, gather, masked_fill): a captured CUDA graph replays it
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from common.model.spec import MoESpec
@@ -47,3 +49,17 @@ def _mask_groups(choice: torch.Tensor, moe: MoESpec) -> torch.Tensor:
     # V2 zeroes the excluded softmax scores, V3 sets them to -inf: either way, with at least
     # top_k experts in the kept groups, none of them is chosen.
     return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
+
+
+def pairs_by_expert(
+    ids: torch.Tensor, num_experts: int
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(expert, tokens, slots) for each expert in [0, num_experts) that `ids` [T, k] names, in
+    expert order: the (token, slot) pairs routed to it. Ids outside (other ranks' experts under
+    expert parallelism) are skipped. The torch loops over experts (CPU path, oracles) walk
+    this; it syncs, so it is never captured."""
+    ids = ids.long()
+    for expert in torch.unique(ids).tolist():
+        if 0 <= expert < num_experts:
+            tokens, slots = torch.nonzero(ids == expert, as_tuple=True)
+            yield expert, tokens, slots

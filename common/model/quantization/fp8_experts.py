@@ -29,6 +29,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from common.model.layers.moe_routing import pairs_by_expert
 from common.model.layers.weights import copy_checked
 from common.model.quantization import fp8_ops
 from common.model.quantization.activation import ActivationQuant, quantize_activation
@@ -93,11 +94,7 @@ def reference(
     xq = fake_quantize(x, quant)
     inter = w13.shape[1] // 2
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
-    ids = topk_ids.long()
-    for expert in torch.unique(ids).tolist():
-        if not 0 <= expert < w13.shape[0]:
-            continue
-        token, slot = torch.nonzero(ids == expert, as_tuple=True)
+    for expert, token, slot in pairs_by_expert(topk_ids, w13.shape[0]):
         gate_up = xq[token] @ w13[expert].T
         h = (torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype)
         y = fake_quantize(h, quant) @ w2[expert].T
