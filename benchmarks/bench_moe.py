@@ -95,6 +95,13 @@ def sweep_configs() -> dict[str, object]:
         (128, G(128, 64, 8, 4), G(256, 64, 8, 4), 8),
         *[(128, G(128, 64, 8, 3), G(256, 64, 8, 3), g) for g in (1, 4, 8, 16, 64)],
     ]  # shared memory <= 227 KB each (sm90)
+    tails = [  # (block_m, gate_up, down, tail_m): an expert's last block multiplies tail_m rows
+        (128, G(128, 64, 8, 3), G(256, 64, 8, 3), 64),
+        (128, G(128, 64, 8, 3), G(256, 64, 8, 3), 32),
+        (128, G(128, 64, 8, 3), G(256, 64, 8, 3), 16),
+        (64, G(128, 64, 8, 4), G(128, 64, 8, 4), 32),
+        (64, G(128, 64, 8, 4), G(128, 64, 8, 4), 16),
+    ]
     gemvs = [  # (gate_up, down)
         (GemvTiles(16, 256, 4, 3), GemvTiles(8, 512, 4, 4)),  # the default, narrowed at T = 1
         (GemvTiles(16, 256, 4, 3), GemvTiles(16, 256, 4, 3)),
@@ -113,6 +120,8 @@ def sweep_configs() -> dict[str, object]:
     for bm, a, b, g in shapes:
         tail = "" if g == 8 else f"/g{g}"
         configs[f"triton[{bm}/{label(a)}/{label(b)}{tail}]"] = MoEConfig(bm, a, b, g, False)
+    for bm, a, b, t in tails:
+        configs[f"triton[{bm}/{label(a)}/{label(b)}/t{t}]"] = MoEConfig(bm, a, b, 8, False, t)
     for a, b in gemvs:
         configs[f"gemv[{label(a)}/{label(b)}]"] = GemvConfig(a, b, fill_sms=False)
     return configs

@@ -3,7 +3,10 @@ intermediate 768) against the bf16 experts' defaults: each config's `fused_moe_t
 activation quantizations included) as one CUDA graph over 4 rotated weight copies, block and
 per-row scales. What `fused_moe.FP8_PREFILL_CONFIGS` was chosen from. One GPU:
 
-    python benchmarks/sweep_moe_fp8.py [gemv] [mid] [prefill]
+    python benchmarks/sweep_moe_fp8.py [gemv] [mid] [prefill] [tail]
+
+"tail": the prefill sizes' default configs (bf16 and FP8) against the same with `tail_m`, so
+that an expert's last block, when it holds few pairs, multiplies only its first tail_m rows.
 
 Prints a line per run and the best per (tokens, layout); the rows go to sweep_moe_fp8.json
 beside the script's working directory.
@@ -134,6 +137,15 @@ if "mid" in which or "prefill" in which:
             cfg = dataclasses.replace(base, block_m=bm, gate_up=tiles, down=tiles, fill_sms=False)
             for layout in ("block", "row"):
                 run(t, layout, cfg, f"bm={bm} {tiles}")
+if "tail" in which:
+    for t in (2048, 4096, 8192):
+        for layout in ("bf16", "block", "row"):
+            scales = None if layout == "bf16" else fp[layout][0][2]
+            base = fm.pick_config(t, K_TOP, bf[0][0], scales=scales)
+            run(t, layout, base, f"default {base}")
+            for tail in (0, 16, 32, 64):
+                if tail < base.block_m and tail != base.tail_m:
+                    run(t, layout, dataclasses.replace(base, tail_m=tail), f"tail_m={tail}")
 with open("sweep_moe_fp8.json", "w") as f:
     json.dump(rows, f)
 best = {}

@@ -38,6 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 # Two row blocks per busy expert and a K (= I = 96) that is no multiple of block_k.
 SMALL_TILES = MoEConfig(16, GemmTiles(32, 32, 4, 2), GemmTiles(32, 64, 4, 2), group_m=2)
+# 32-row blocks whose experts' last blocks, holding at most 16 pairs, multiply 16 rows.
+TAIL_TILES = MoEConfig(32, GemmTiles(32, 32, 4, 2), GemmTiles(32, 64, 4, 2), group_m=2, tail_m=16)
 
 
 def routing(tokens, experts, top_k, used=None, seed=0, device=DEVICE):
@@ -127,6 +129,8 @@ CASES = [
     (17, 4, 2, 96, torch.float32, SMALL_TILES),  # 17 rows on each of two experts
     (1, 8, 2, 96, torch.bfloat16, None),
     (17, 8, 2, 32, torch.bfloat16, SMALL_TILES),
+    (45, 4, 2, 96, torch.float32, TAIL_TILES),  # two experts, 45 pairs each: 32 + a 13-pair tail
+    (21, 4, 2, 64, torch.bfloat16, TAIL_TILES),  # 21 pairs each: one block, multiplied whole
 ]
 
 
@@ -254,6 +258,7 @@ FP8_CASES = [
     (3, 8, 2, 96, torch.bfloat16, SMALL_GEMV, (32, 32)),
     (17, 8, 2, 96, torch.float32, SMALL_TILES, (32, 32)),
     (17, 8, 2, 96, torch.bfloat16, SMALL_TILES, None),
+    (45, 4, 2, 96, torch.bfloat16, TAIL_TILES, (32, 32)),
     (2, 8, 2, 96, torch.float32, None, None),
 ]
 

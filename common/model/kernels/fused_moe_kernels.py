@@ -88,6 +88,14 @@ def _row_scales(acc, a_scales, b_scales, SCALE_GK: tl.constexpr):
 
 
 @triton.jit
+def _filled_rows(sorted_ptr, first, num_pairs, BLOCK_M: tl.constexpr):
+    """Rows of the block at `first` that hold a pair: its first ones (an expert's rows hold its
+    pairs, then its padding)."""
+    pairs = tl.load(sorted_ptr + first + tl.arange(0, BLOCK_M))
+    return tl.sum((pairs < num_pairs).to(tl.int32))
+
+
+@triton.jit
 def gate_up_kernel(
     x_ptr, w_ptr, xs_ptr, ws_ptr, sorted_ptr, block_expert_ptr, h_ptr,
     num_pairs, blocks_m, N, K, stride_xm, stride_we, stride_wn,
@@ -95,16 +103,55 @@ def gate_up_kernel(
     TOP_K: tl.constexpr, EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr, SCALE_GN: tl.constexpr, SCALE_GK: tl.constexpr, PROMOTE: tl.constexpr,
-    PDL: tl.constexpr = False,
+    TAIL_M: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """h[row, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, N + n]) for N = I: the gate column
-    and its up column in one program (two accumulators), so SiLU-and-mul is the epilogue."""
+    and its up column in one program (two accumulators), so SiLU-and-mul is the epilogue. With
+    TAIL_M, a block holding at most TAIL_M pairs (an expert's last) computes and writes only its
+    first TAIL_M rows, or its first TAIL_M / 2 if it holds no more (TAIL_M >= 32)."""
     pdl_prologue(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), blocks_m, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    first = pid_m * BLOCK_M
+    if TAIL_M > 0:
+        filled = _filled_rows(sorted_ptr, first, num_pairs, BLOCK_M)
+        if TAIL_M >= 32:
+            if filled <= TAIL_M // 2:
+                _gate_up_rows(
+                    x_ptr, w_ptr, xs_ptr, ws_ptr, sorted_ptr, h_ptr, first, expert, pid_n,
+                    num_pairs, N, K, stride_xm, stride_we, stride_wn, stride_xsm, stride_xsk,
+                    stride_se, stride_sn, stride_sk, stride_hm, TOP_K, EVEN_K, PRECISION, TAIL_M //
+                    2, BLOCK_N, BLOCK_K, FP8, SCALE_GN, SCALE_GK, PROMOTE,
+                )  # fmt: skip
+                return
+        if filled <= TAIL_M:
+            _gate_up_rows(
+                x_ptr, w_ptr, xs_ptr, ws_ptr, sorted_ptr, h_ptr, first, expert, pid_n, num_pairs, N,
+                K, stride_xm, stride_we, stride_wn, stride_xsm, stride_xsk, stride_se, stride_sn,
+                stride_sk, stride_hm, TOP_K, EVEN_K, PRECISION, TAIL_M, BLOCK_N, BLOCK_K, FP8,
+                SCALE_GN, SCALE_GK, PROMOTE,
+            )  # fmt: skip
+            return
+    _gate_up_rows(
+        x_ptr, w_ptr, xs_ptr, ws_ptr, sorted_ptr, h_ptr, first, expert, pid_n, num_pairs, N, K,
+        stride_xm, stride_we, stride_wn, stride_xsm, stride_xsk, stride_se, stride_sn, stride_sk,
+        stride_hm, TOP_K, EVEN_K, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_GN, SCALE_GK,
+        PROMOTE,
+    )  # fmt: skip
+
+
+@triton.jit
+def _gate_up_rows(
+    x_ptr, w_ptr, xs_ptr, ws_ptr, sorted_ptr, h_ptr, first, expert, pid_n, num_pairs, N, K,
+    stride_xm, stride_we, stride_wn, stride_xsm, stride_xsk, stride_se, stride_sn, stride_sk,
+    stride_hm, TOP_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
+    SCALE_GN: tl.constexpr, SCALE_GK: tl.constexpr, PROMOTE: tl.constexpr,
+):  # fmt: skip
+    """`gate_up_kernel`'s tile: rows [first, first + ROWS), columns of tile `pid_n`."""
+    rows = first + tl.arange(0, ROWS)
     pairs = tl.load(sorted_ptr + rows)
     tokens = tl.where(pairs < num_pairs, pairs // TOP_K, 0)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -117,8 +164,8 @@ def gate_up_kernel(
     gate_scales = w_scales + (rn_in // SCALE_GN) * stride_sn
     up_scales = w_scales + ((rn_in + N) // SCALE_GN) * stride_sn
     rk = tl.arange(0, BLOCK_K)
-    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    gate = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + rk
         a = _load_k(a_rows, ks, K, EVEN_K)
@@ -146,16 +193,54 @@ def down_kernel(
     TOP_K: tl.constexpr, EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr, SCALE_GN: tl.constexpr, SCALE_GK: tl.constexpr, PROMOTE: tl.constexpr,
-    PDL: tl.constexpr = False,
+    TAIL_M: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """y[row, n] = routing weight of the row's pair * (h[row] . w[e, n]), N = H; rows holding
-    no pair get 0."""
+    no pair get 0. TAIL_M as in `gate_up_kernel` (the same blocks take it, so only rows that
+    gate_up wrote are read)."""
     pdl_prologue(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), blocks_m, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    first = pid_m * BLOCK_M
+    if TAIL_M > 0:
+        filled = _filled_rows(sorted_ptr, first, num_pairs, BLOCK_M)
+        if TAIL_M >= 32:
+            if filled <= TAIL_M // 2:
+                _down_rows(
+                    h_ptr, w_ptr, hs_ptr, ws_ptr, sorted_ptr, weights_ptr, y_ptr, first, expert,
+                    pid_n, num_pairs, N, K, stride_hm, stride_we, stride_wn, stride_hsm, stride_hsk,
+                    stride_se, stride_sn, stride_sk, stride_ym, EVEN_K, PRECISION, TAIL_M // 2,
+                    BLOCK_N, BLOCK_K, FP8, SCALE_GN, SCALE_GK, PROMOTE,
+                )  # fmt: skip
+                return
+        if filled <= TAIL_M:
+            _down_rows(
+                h_ptr, w_ptr, hs_ptr, ws_ptr, sorted_ptr, weights_ptr, y_ptr, first, expert, pid_n,
+                num_pairs, N, K, stride_hm, stride_we, stride_wn, stride_hsm, stride_hsk, stride_se,
+                stride_sn, stride_sk, stride_ym, EVEN_K, PRECISION, TAIL_M, BLOCK_N, BLOCK_K, FP8,
+                SCALE_GN, SCALE_GK, PROMOTE,
+            )  # fmt: skip
+            return
+    _down_rows(
+        h_ptr, w_ptr, hs_ptr, ws_ptr, sorted_ptr, weights_ptr, y_ptr, first, expert, pid_n,
+        num_pairs, N, K, stride_hm, stride_we, stride_wn, stride_hsm, stride_hsk, stride_se,
+        stride_sn, stride_sk, stride_ym, EVEN_K, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, FP8,
+        SCALE_GN, SCALE_GK, PROMOTE,
+    )  # fmt: skip
+
+
+@triton.jit
+def _down_rows(
+    h_ptr, w_ptr, hs_ptr, ws_ptr, sorted_ptr, weights_ptr, y_ptr, first, expert, pid_n,
+    num_pairs, N, K, stride_hm, stride_we, stride_wn, stride_hsm, stride_hsk, stride_se,
+    stride_sn, stride_sk, stride_ym, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
+    SCALE_GN: tl.constexpr, SCALE_GK: tl.constexpr, PROMOTE: tl.constexpr,
+):  # fmt: skip
+    """`down_kernel`'s tile: rows [first, first + ROWS), columns of tile `pid_n`."""
+    rows = first + tl.arange(0, ROWS)
     pairs = tl.load(sorted_ptr + rows)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rn_in = tl.where(rn < N, rn, 0)
@@ -164,7 +249,7 @@ def down_kernel(
     a_scales = hs_ptr + rows.to(tl.int64) * stride_hsm
     b_scales = ws_ptr + expert.to(tl.int64) * stride_se + (rn_in // SCALE_GN) * stride_sn
     rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + rk
         a = _load_k(a_rows, ks, K, EVEN_K)
