@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from common import LLM, SamplingParams
-from common.engine.prefill_graphs import token_buckets
+from common.engine.prefill_graphs import _joined_rows, _split_heads, token_buckets
 from common.engine.scheduler import ScheduledBatch, ScheduledSeq
 from common.engine.sequence import Sequence
 from tests.hf_oracle import hf_greedy
@@ -61,6 +61,17 @@ def test_token_buckets_grow_by_powers_then_by_256():
     assert token_buckets(1280) == [16, 32, 64, 128, 256, 512, 768, 1024, 1280]
     with pytest.raises(ValueError, match="multiple of 16"):
         token_buckets(100)
+
+
+def test_q_k_v_split_from_one_projection_are_copied_as_its_rows():
+    qkv = torch.randn(5, (4 + 2 * 2) * 8)
+    q, k, v = _split_heads(qkv, 4, 2, 8)
+    assert q.shape == (5, 4, 8) and v.shape == (5, 2, 8) and torch.equal(v[1, 1], qkv[1, 56:])
+    rows = _joined_rows(q, k, v)
+    assert rows is not None and rows.data_ptr() == qkv.data_ptr() and torch.equal(rows, qkv)
+    assert _joined_rows(q[:3], k[:3], v[:3]).shape == (3, 64)
+    assert _joined_rows(q.clone(), k, v) is None  # a rotary that returned new tensors
+    assert _joined_rows(q, v, k) is None  # another order
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "synchronous"])
