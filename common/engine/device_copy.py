@@ -9,13 +9,21 @@ queue the next step's inputs and get on with the previous step's outputs.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+# numpy reads a list of Python ints 3-4x faster than torch.tensor (8192 ints: 0.33 against
+# 1.05 ms), and a long prefill step stages several such lists before its first kernel.
+_NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
 
 
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`values` (a list, nested lists, a numpy array) as a tensor on `device`, queued on the
     current stream without a host sync on CUDA."""
-    return to_device_from(torch.tensor(values, dtype=dtype), device)
+    as_numpy = _NUMPY_DTYPES.get(dtype)
+    if as_numpy is None:
+        return to_device_from(torch.tensor(values, dtype=dtype), device)
+    return to_device_from(torch.from_numpy(np.asarray(values, dtype=as_numpy)), device)
 
 
 def to_device_from(host: torch.Tensor, device: torch.device) -> torch.Tensor:

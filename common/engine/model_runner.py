@@ -76,6 +76,16 @@ class HostInputs:
         return len(self.input_ids) == len(self.query_lens) == len(self.logits_indices)
 
 
+def slots(blocks: list[int], block_size: int, start: int, end: int) -> list[int]:
+    """The KV slots of positions [start, end) of a sequence with `blocks`: a block's run of
+    positions at a time (8192 positions: one list per 16, not one expression per position)."""
+    out: list[int] = []
+    for i in range(start // block_size, (end - 1) // block_size + 1):
+        shift = (blocks[i] - i) * block_size  # slot - position, within block i
+        out += range(max(start, i * block_size) + shift, min(end, (i + 1) * block_size) + shift)
+    return out
+
+
 def block_table_key(seq: Sequence) -> tuple[str, int, int, int]:
     """Changes whenever the sequence's block list changes other than by growing: another
     sequence, a preemption, or blocks of rejected drafts given back (`DecodeGraphs.launch`
@@ -162,7 +172,10 @@ class ModelRunner:
                 h.input_ids.extend(tokens)
             h.positions.extend(range(start, start + n))
             blocks = seq.block_ids
-            h.slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:
+                h.slots.append(blocks[start // bs] * bs + start % bs)
+            else:
+                h.slots += slots(blocks, bs, start, start + n)
             h.query_lens.append(n)
             h.seq_lens.append(start + n)
             h.block_tables.append(blocks)
@@ -187,7 +200,7 @@ class ModelRunner:
         h.input_ids.append(seq.token_at(start))
         h.input_ids += drafts
         h.positions += positions
-        h.slots += [blocks[p // bs] * bs + p % bs for p in positions]
+        h.slots += slots(blocks, bs, start, start + m)
         h.query_lens += [1] * m
         h.seq_lens += range(start + 1, start + m + 1)
         h.block_tables += [blocks] * m

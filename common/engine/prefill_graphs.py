@@ -156,8 +156,8 @@ class PrefillGraphs:
                 buffer[:n].copy_(t)
         try:
             stage = slot.vectors
-            stage[:2, :n] = torch.tensor([input_ids, positions])
-            stage[:2, n:bucket] = 0
+            rows = stage[:2].numpy()  # a list into numpy: 4x faster than torch.tensor
+            rows[0, :n], rows[1, :n], rows[:, n:bucket] = input_ids, positions, 0
             self._vectors[:, :bucket].copy_(stage[:2, :bucket], non_blocking=True)
             if fill_ids is not None:
                 self.input_ids.index_copy_(0, *fill_ids)
