@@ -7,10 +7,11 @@ captured graph (vLLM's piecewise mode): num_layers + 1 replays and num_layers ea
 calls per step instead of ~10 launches per layer.
 
 Pieces exchange data through static buffers: a piece ends by copying q, k, v into `q`, `k`,
-`v` (MLA: q_nope, q_pe, latent, k_pe into theirs, and the layer's `LatentProjection` is kept);
-the eager attention sees only the real tokens' rows (every backend gets an eager step's
-shapes, padding rows write no KV) and writes `attn_out`, whose padding rows hold stale, finite
-values (dense ops are row-wise). The per-layer hook runs right after that layer's attention,
+`v` (views of one `qkv` buffer, filled in one copy when they are one projection's columns;
+MLA: q_nope, q_pe, latent, k_pe into theirs, and the layer's `LatentProjection` is kept); the
+eager attention sees only the real tokens' rows (every backend gets an eager step's shapes,
+padding rows write no KV) and writes `attn_out`, whose padding rows hold stale, finite values
+(dense ops are row-wise). The per-layer hook runs right after that layer's attention,
 as in an eager step. On CPU nothing is captured; the same padded forward and boundary copies run.
 A pipeline stage captures only its layers, reading and writing the carry as `DecodeGraphs` does.
 """

@@ -115,6 +115,7 @@ def gate_up_kernel(
     if expert < 0:
         return
     first = pid_m * BLOCK_M
+    # The tile height is a constexpr: one call per height the block may take.
     if TAIL_M > 0:
         filled = _filled_rows(sorted_ptr, first, num_pairs, BLOCK_M)
         if TAIL_M >= 32:
@@ -122,8 +123,8 @@ def gate_up_kernel(
                 _gate_up_rows(
                     x_ptr, w_ptr, xs_ptr, ws_ptr, sorted_ptr, h_ptr, first, expert, pid_n,
                     num_pairs, N, K, stride_xm, stride_we, stride_wn, stride_xsm, stride_xsk,
-                    stride_se, stride_sn, stride_sk, stride_hm, TOP_K, EVEN_K, PRECISION, TAIL_M //
-                    2, BLOCK_N, BLOCK_K, FP8, SCALE_GN, SCALE_GK, PROMOTE,
+                    stride_se, stride_sn, stride_sk, stride_hm, TOP_K, EVEN_K, PRECISION,
+                    TAIL_M // 2, BLOCK_N, BLOCK_K, FP8, SCALE_GN, SCALE_GK, PROMOTE,
                 )  # fmt: skip
                 return
         if filled <= TAIL_M:
@@ -204,6 +205,7 @@ def down_kernel(
     if expert < 0:
         return
     first = pid_m * BLOCK_M
+    # The tile height is a constexpr: one call per height the block may take.
     if TAIL_M > 0:
         filled = _filled_rows(sorted_ptr, first, num_pairs, BLOCK_M)
         if TAIL_M >= 32:
