@@ -10,7 +10,7 @@ the fused and with torch's router: `benchmarks/moe_layer_bench.py`).
 Impls: reference (the float32 expert loop; it syncs, so it runs eagerly, T <= 128 only),
 grouped_mm, triton (`pick_config`'s choice: GEMVs up to `GEMV_MAX_TOKENS` tokens, grouped GEMMs
 beyond); --sweep adds each of `sweep_configs()` (grouped GEMM tiles as triton[...], GEMV tiles as
-gemv[...] up to GEMV_SWEEP_MAX_TOKENS) and times the routing plan in one launch and in three.
+gemv[...] up to GEMV_SWEEP_MAX_TOKENS) and times the routing plan in one launch and in two.
 Each GPU path is timed as the replay of one CUDA graph of back-to-back calls whose weights
 rotate over enough copies of the layer to exceed 3x the L2 (a call never finds its experts
 cached), per call, median of --reps replays. Routing is uniform: top-k of random logits.

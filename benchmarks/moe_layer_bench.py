@@ -8,7 +8,7 @@ plus the bytes of the experts the routing touches (layers). Each layer's output 
 against the float32 expert loop on its own routing, each router's ids against torch's, as sets
 per row (`ids_match`: the fraction of rows that agree; near-ties may differ).
 
-Plan (--sweep): `moe_align` in one program and in three launches, at the block_m the tile table
+Plan (--sweep): `moe_align` in one program and in two launches, at the block_m the tile table
 picks for T (16 where the GEMVs need no plan).
 """
 
@@ -80,7 +80,7 @@ def bench_layer(shape, layer, x: torch.Tensor, timer: Timer, copy_rate: float) -
 
 
 def bench_plan(shape, ids: torch.Tensor, block_m: int, timer: Timer) -> list[dict]:
-    """Rows "plan[1 launch]" and "plan[3 launches]" of `moe_align(ids)`, checked equal."""
+    """Rows "plan[1 launch]" and "plan[2 launches]" of `moe_align(ids)`, checked equal."""
     from common.model.kernels.moe_align import moe_align
 
     if ids.numel() > PLAN_MAX_PAIRS:
@@ -92,7 +92,7 @@ def bench_plan(shape, ids: torch.Tensor, block_m: int, timer: Timer) -> list[dic
         for f in ("sorted_pairs", "block_expert", "pair_rows", "expert_ends")
     )
     rows = []
-    for label, flag in (("plan[1 launch]", True), ("plan[3 launches]", False)):
+    for label, flag in (("plan[1 launch]", True), ("plan[2 launches]", False)):
         us = timer(lambda c, flag=flag: moe_align(ids, shape.experts, block_m, one_program=flag), 8)
         rows.append({"kind": "plan", "impl": label, "tokens": ids.shape[0], "block_m": block_m,
                      "pairs": ids.numel(), "plans_equal": equal, "us": us})  # fmt: skip

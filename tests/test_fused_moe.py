@@ -92,12 +92,15 @@ def test_plan_groups_pairs_by_expert_with_padding_rows_pointing_past_the_pairs(
     assert_plan_is_sound(fm.moe_align(ids, experts, block_m), ids, experts)
 
 
-def test_multi_program_plan_equals_the_one_program_plan(monkeypatch):
-    _, ids = routing(50, 8, 3, used=6, seed=3)
+# (tokens, k, block_m, pairs a program): 5 programs; 38 programs sharing 2 tiles of blocks and
+# 8 experts' padding (more programs than either).
+@pytest.mark.parametrize("tokens,top_k,block_m,per", [(50, 3, 16, 32), (300, 2, 4, 16)])
+def test_multi_program_plan_equals_the_one_program_plan(monkeypatch, tokens, top_k, block_m, per):
+    _, ids = routing(tokens, 8, top_k, used=6, seed=3)
     ids[4, 1] = -1  # dropped pairs too
-    one = fm.moe_align(ids.long(), 8, 16, one_program=True)
-    monkeypatch.setattr(align, "PAIRS_PER_PROGRAM", 32)
-    many = fm.moe_align(ids, 8, 16, one_program=False)
+    one = fm.moe_align(ids.long(), 8, block_m, one_program=True)
+    monkeypatch.setattr(align, "PAIRS_PER_PROGRAM", per)
+    many = fm.moe_align(ids, 8, block_m, one_program=False)
     assert_plan_is_sound(many, ids, 8)
     for name in ("sorted_pairs", "block_expert", "pair_rows", "expert_ends"):
         assert torch.equal(getattr(one, name), getattr(many, name)), name

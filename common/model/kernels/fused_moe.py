@@ -14,7 +14,7 @@ Implementations (`experts_forward` dispatches):
 - `fused_moe_triton`: a plan (`moe_align`), GEMM1 (x rows gathered by the plan, times the
   expert's gate and up tiles, SiLU(gate) * up in the epilogue), GEMM2 (times w2[e], the routing
   weight in the epilogue), then each token's k rows summed in slot order by one kernel:
-  deterministic, no atomics. 4 launches up to `ONE_PROGRAM_PAIRS` pairs, 6 beyond. Up to
+  deterministic, no atomics. 4 launches up to `ONE_PROGRAM_PAIRS` pairs, 5 beyond. Up to
   `GEMV_MAX_TOKENS` tokens (a `GemvConfig`): `fused_moe_gemv`'s two GEMV launches instead.
 - `fused_moe_grouped_mm`: the plan with block_m = 1, x rows gathered, `torch._grouped_mm`,
   SiLU-and-mul, `torch._grouped_mm`, the weighted sum. 16-bit weights only; on CUDA bf16 only

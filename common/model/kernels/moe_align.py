@@ -10,8 +10,9 @@ An id outside [0, E) (e.g. -1 for an expert that lives on another rank) drops it
 no row and `pair_rows` holds -1 for it.
 
 One program of `ONE_PROGRAM_WARPS` warps does everything up to `ONE_PROGRAM_PAIRS` pairs
-(decode: one launch); beyond, three launches: per-program expert counts, one program for the
-offsets, per-program placement.
+(decode: one launch); beyond, two launches: per-program expert counts, then per-program
+placement, each placing program summing all the counts itself and writing a share of the
+layout.
 """
 
 from __future__ import annotations
@@ -24,11 +25,18 @@ import triton.language as tl
 
 from common.model.kernels.pdl import pdl_args, pdl_prologue
 
-# Up to this many pairs one launch builds the plan. H200, Qwen3-30B-A3B (k = 8): one launch
-# 6.6 / 16.9 us at 8 / 256 pairs against 9.2 / 20.0 for three, but 51.3 against 22.7 at 1024.
-ONE_PROGRAM_PAIRS = 256
+# Up to this many pairs one launch builds the plan. H200, Qwen3-30B-A3B (k = 8, 128 experts):
+# one launch 6.2 / 5.8 / 9.7 / 16.4 us at 8 / 64 / 128 / 256 pairs, two 7.0 / 7.0 / 10.6 /
+# 10.4. DeepSeek-V2-Lite (64 experts) takes two launches better from 6 pairs (6.7 against 8.8
+# us), but its plans start at 5 tokens (30 pairs; the GEMVs need none), where it loses ~2 us.
+ONE_PROGRAM_PAIRS = 128
 ONE_PROGRAM_WARPS = 8
-PAIRS_PER_PROGRAM = 256  # beyond: pairs each counting / placing program owns
+# Beyond: pairs each counting / placing program owns, at least PAIRS_PER_PROGRAM and doubled
+# until at most MAX_PROGRAMS programs run: every placing program reads all programs' counts.
+# H200, Qwen3-30B-A3B: 9.2 / 15.0 / 27.0 us at 1024 / 16384 / 65536 pairs (128, 128 and
+# 256 pairs a program), against 21.8 / 25.6 / 45.1 for three launches (256 a program).
+PAIRS_PER_PROGRAM = 128
+MAX_PROGRAMS = 256
 _TILE = 1024  # rows per store when filling the tail past the last expert
 
 
@@ -100,16 +108,16 @@ def moe_align(
             num_warps=ONE_PROGRAM_WARPS, **pdl_args(device),
         )  # fmt: skip
         return plan
-    programs = triton.cdiv(num_pairs, PAIRS_PER_PROGRAM)
+    per = max(PAIRS_PER_PROGRAM, triton.next_power_of_2(triton.cdiv(num_pairs, MAX_PROGRAMS)))
+    programs = triton.cdiv(num_pairs, per)
     partial = torch.empty(programs, e_pad, dtype=torch.int32, device=device)
-    per = PAIRS_PER_PROGRAM
     _count_kernel[(programs,)](
         ids, partial, num_pairs, per, num_experts, E_PAD=e_pad, SUB=sub, **pdl_args(device)
     )
-    _offsets_kernel[(1,)](partial, *layout, num_experts, programs, **tiles, **pdl_args(device))
     _place_kernel[(programs,)](
-        ids, partial, plan.sorted_pairs, plan.pair_rows, plan.expert_ends,
-        num_pairs, rows, num_experts, per, E_PAD=e_pad, SUB=sub, TILE=_TILE, **pdl_args(device),
+        ids, partial, plan.sorted_pairs, plan.pair_rows, plan.expert_ends, plan.block_expert,
+        num_pairs, blocks, rows, num_experts, per, **tiles, SUB=sub, TILE=_TILE,
+        **pdl_args(device),
     )  # fmt: skip
     return plan
 
@@ -150,23 +158,32 @@ def _place_pairs(ids_ptr, sorted_ptr, pair_rows_ptr, lo, hi, E, next_row,
 
 
 @triton.jit
-def _layout(counts, sorted_ptr, ends_ptr, block_expert_ptr, num_pairs, num_blocks, E,
-            E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BM_PAD: tl.constexpr,
-            BT: tl.constexpr):  # fmt: skip
-    """From the experts' pair counts: each group's first row, expert_ends, block_expert and
-    the padding rows' sentinel. Returns (first rows [E_PAD], rows in all groups)."""
-    experts = tl.arange(0, E_PAD)
+def _groups(counts, BLOCK_M: tl.constexpr):
+    """From the experts' pair counts: each group's first row, padded size and end row, and
+    the rows in all groups."""
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    total = tl.sum(padded, axis=0)
-    tl.store(ends_ptr + experts, ends, mask=experts < E)
+    return ends - padded, padded, ends, tl.sum(padded, axis=0)
+
+
+@triton.jit
+def _layout(counts, sorted_ptr, ends_ptr, block_expert_ptr, num_pairs, num_blocks, E,
+            part, parts, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BM_PAD: tl.constexpr,
+            BT: tl.constexpr):  # fmt: skip
+    """Writes part `part` of `parts` of the layout: expert_ends (part 0), the padding rows'
+    sentinel (experts e with e % parts == part) and block_expert (every parts-th tile of BT
+    blocks). Returns (first rows [E_PAD], rows in all groups)."""
+    experts = tl.arange(0, E_PAD)
+    starts, padded, ends, total = _groups(counts, BLOCK_M)
+    if part == 0:
+        tl.store(ends_ptr + experts, ends, mask=experts < E)
     pads = tl.arange(0, BM_PAD)
     pad_rows = (starts + counts)[:, None] + pads[None, :]
-    tl.store(sorted_ptr + pad_rows, num_pairs, mask=pads[None, :] < (padded - counts)[:, None])
+    mine = (experts % parts == part)[:, None]
+    tl.store(sorted_ptr + pad_rows, num_pairs, mask=mine & (pads[None, :] < (padded - counts)[:, None]))  # fmt: skip
     # A block's owner: the first expert whose group ends past its first row (experts >= E
     # count nothing, so their ends equal `total`).
-    for b0 in range(0, num_blocks, BT):
+    for b0 in range(part * BT, num_blocks, parts * BT):
         blocks = b0 + tl.arange(0, BT)
         first = blocks * BLOCK_M
         owner = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
@@ -189,7 +206,7 @@ def _align_kernel(ids_ptr, pair_rows_ptr, sorted_ptr, ends_ptr, block_expert_ptr
     pdl_prologue(PDL)
     counts = _count_pairs(ids_ptr, 0, num_pairs, E, E_PAD, SUB)
     starts, total = _layout(counts, sorted_ptr, ends_ptr, block_expert_ptr, num_pairs,
-                            num_blocks, E, E_PAD, BLOCK_M, BM_PAD, BT)  # fmt: skip
+                            num_blocks, E, 0, 1, E_PAD, BLOCK_M, BM_PAD, BT)  # fmt: skip
     _place_pairs(ids_ptr, sorted_ptr, pair_rows_ptr, 0, num_pairs, E, starts, E_PAD, SUB)
     _fill_tail(sorted_ptr, total, num_rows, TILE, num_pairs, TILE)
 
@@ -207,40 +224,29 @@ def _count_kernel(ids_ptr, partial_ptr, num_pairs, per_program, E,
 
 
 @triton.jit
-def _offsets_kernel(partial_ptr, sorted_ptr, ends_ptr, block_expert_ptr,
-                    num_pairs, num_blocks, E, programs,
-                    E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BM_PAD: tl.constexpr,
-                    BT: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
-    """The layout from all programs' counts; partial[p] becomes program p's first row per
-    expert (its expert's group start plus the pairs of earlier programs)."""
+def _place_kernel(ids_ptr, partial_ptr, sorted_ptr, pair_rows_ptr, ends_ptr, block_expert_ptr,
+                  num_pairs, num_blocks, num_rows, E, per_program,
+                  E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BM_PAD: tl.constexpr,
+                  BT: tl.constexpr, SUB: tl.constexpr, TILE: tl.constexpr,
+                  PDL: tl.constexpr = False):  # fmt: skip
+    """Program p sums every program's counts (a few KB from L2: cheaper than a launch of
+    one program that would hand out the offsets), writes its share of the layout, places
+    its pairs after the earlier programs' pairs of each expert and fills its share of the
+    tail (every P-th tile)."""
     pdl_prologue(PDL)
+    p = tl.program_id(0)
+    programs = tl.num_programs(0)
     experts = tl.arange(0, E_PAD)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
+    earlier = tl.zeros([E_PAD], dtype=tl.int32)
     for p0 in range(0, programs, BT):
         ps = p0 + tl.arange(0, BT)
         tile = tl.load(partial_ptr + ps[:, None] * E_PAD + experts[None, :], mask=ps[:, None] < programs, other=0)  # fmt: skip
         counts += tl.sum(tile, axis=0)
-    next_row, _ = _layout(counts, sorted_ptr, ends_ptr, block_expert_ptr, num_pairs,
-                          num_blocks, E, E_PAD, BLOCK_M, BM_PAD, BT)  # fmt: skip
-    for p0 in range(0, programs, BT):
-        ps = p0 + tl.arange(0, BT)
-        at = partial_ptr + ps[:, None] * E_PAD + experts[None, :]
-        tile = tl.load(at, mask=ps[:, None] < programs, other=0)
-        tl.store(at, next_row[None, :] + tl.cumsum(tile, axis=0) - tile, mask=ps[:, None] < programs)  # fmt: skip
-        next_row += tl.sum(tile, axis=0)
-
-
-@triton.jit
-def _place_kernel(ids_ptr, partial_ptr, sorted_ptr, pair_rows_ptr, ends_ptr,
-                  num_pairs, num_rows, E, per_program,
-                  E_PAD: tl.constexpr, SUB: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
-    """Program p places its pairs and fills its share of the tail (every P-th tile)."""
-    pdl_prologue(PDL)
-    p = tl.program_id(0)
+        earlier += tl.sum(tl.where(ps[:, None] < p, tile, 0), axis=0)
+    starts, total = _layout(counts, sorted_ptr, ends_ptr, block_expert_ptr, num_pairs,
+                            num_blocks, E, p, programs, E_PAD, BLOCK_M, BM_PAD, BT)  # fmt: skip
     lo = p * per_program
     hi = tl.minimum(lo + per_program, num_pairs)
-    next_row = tl.load(partial_ptr + p * E_PAD + tl.arange(0, E_PAD))
-    _place_pairs(ids_ptr, sorted_ptr, pair_rows_ptr, lo, hi, E, next_row, E_PAD, SUB)
-    total = tl.load(ends_ptr + E - 1)
-    programs = tl.num_programs(0)
+    _place_pairs(ids_ptr, sorted_ptr, pair_rows_ptr, lo, hi, E, starts + earlier, E_PAD, SUB)
     _fill_tail(sorted_ptr, total + p * TILE, num_rows, programs * TILE, num_pairs, TILE)
