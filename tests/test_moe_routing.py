@@ -247,7 +247,13 @@ def test_fused_router_reads_bf16_and_mixed_dtypes_and_strided_rows():
 
 
 @pytest.mark.parametrize(
-    "tiles", [RouteTiles(4, 1, 32), RouteTiles(4, 8, 64), RouteTiles(16, 2, 16, num_warps=8)]
+    "tiles",
+    [
+        RouteTiles(4, 1, 32),
+        RouteTiles(4, 8, 64),
+        RouteTiles(16, 2, 16, num_warps=8),
+        RouteTiles(64, 1, 64, num_warps=4, num_stages=4),  # a prefill tile
+    ],
 )
 def test_split_and_whole_launches_route_alike_and_leave_their_tickets_at_zero(tiles):
     spec = RULES["v3_sigmoid_top2_bias"]
@@ -263,7 +269,9 @@ def test_route_tiles_split_decode_over_the_sms_and_keep_prefill_whole():
     mid = moe_router.pick_route_tiles(128, 128, 2048, sms=132)
     assert mid.block_t == 16 and mid.splits * 8 <= 128 and 128 // mid.splits >= 16  # tl.dot
     prefill = moe_router.pick_route_tiles(8192, 256, 7168, sms=132)
-    assert prefill.splits == 1 and prefill.block_t * 256 <= moe_router.REGISTER_TILE
+    assert prefill.splits == 1 and prefill.block_t * 256 <= 2 * moe_router.REGISTER_TILE
+    wide = moe_router.pick_route_tiles(8192, 128, 2048, sms=132)
+    assert (wide.block_t, wide.splits) == (64, 1)  # 128 blocks of 64 tokens: one per SM
 
 
 def test_route_refuses_bad_operands_naming_them():
