@@ -202,11 +202,15 @@ def test_fp8_linear_dispatch_matches_the_reference_at_every_m(m):
 
 @pytest.mark.skipif(not CUDA, reason="cuBLASLt's block-scaled GEMM runs on CUDA only")
 @pytest.mark.parametrize("m", [3, 130, 256])
-def test_block_dispatch_with_block_scales_matches_the_reference(m):
+@pytest.mark.parametrize("m_major", [False, True])  # activation scales as stored for cuBLASLt
+def test_block_dispatch_with_block_scales_matches_the_reference(m, m_major):
     (xq, xs, wq, rows, g), b, ref = block_case(m, 384, 1024, True)
+    if m_major:
+        xs = xs.t().contiguous().t()
     _, blocks = ops.quantize_weight_blocks(operands(m, 384, 1024, True)[1], (g, g))
-    out = fp8_gemm.block_fp8_linear_cuda(xq, xs, wq, rows, g, torch.bfloat16, b, blocks)
-    assert_matches(out, ref, torch.bfloat16)
+    for given in (blocks, None):  # cuBLASLt above 64 rows, else the Triton kernel
+        out = fp8_gemm.block_fp8_linear_cuda(xq, xs, wq, rows, g, torch.bfloat16, b, given)
+        assert_matches(out, ref, torch.bfloat16)
 
 
 def test_benchmark_smoke_run_checks_every_triton_candidate(tmp_path):

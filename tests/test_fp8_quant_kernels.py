@@ -124,6 +124,24 @@ def test_quantize_fp8_of_strided_3d_rows_equals_fp8_ops(dtype, layout):
     )
 
 
+@pytest.mark.parametrize("m,m_major", [(8, True), (6, False), (4, False)])
+def test_group_scales_asked_m_major_are_stored_so_with_the_same_values(m, m_major):
+    """From `m_major_from` (8) rows, if a multiple of 4: strides (1, M), cuBLASLt's layout."""
+    q = ActivationQuant("group", m_major_from=8)
+    x, weight = rows(m, 300, torch.bfloat16), rows(1, 300, torch.bfloat16, zero_row=None)[0] + 1
+    producers = [
+        (fp8_quant.rms_norm_fp8(x, weight, EPS, None, q)[0], fused_ops.rms_norm(x, weight, EPS)),
+        (fp8_quant.quantize_fp8(x, q), x),
+        (fp8_quant.silu_and_mul_fp8(rows(m, 600, torch.bfloat16), q), None),
+    ]
+    for got, source in producers:
+        assert got.scale.stride() == ((1, m) if m_major else (3, 1))
+        if source is not None:
+            assert_bit_equal(got, quantize_activation(source, q))
+    silu = fused_ops.silu_and_mul(rows(m, 600, torch.bfloat16))
+    assert_bit_equal(producers[2][0], quantize_activation(silu, q))
+
+
 def test_e4m3_rounding_matches_torch_at_every_tie_carry_and_subnormal():
     """Every FP8 value, every midpoint between two (ties go to even) and the floats either
     side of it, positive and negative, subnormals and the 448 clamp included."""

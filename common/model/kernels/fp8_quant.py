@@ -99,7 +99,7 @@ def _fp8(y, scale):
 
 
 @triton.jit
-def _store_quantized(y, offs, n, q_row, s_row, static_ptr,
+def _store_quantized(y, offs, n, q_row, s_row, stride_sg, static_ptr,
                      LAYOUT: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """Quantize a whole row `y` (fp32, 0 past `n`) held in one block."""
     mask = offs < n
@@ -108,29 +108,30 @@ def _store_quantized(y, offs, n, q_row, s_row, static_ptr,
         tl.store(s_row, scale)
         tl.store(q_row + offs, _fp8(y, scale), mask=mask)
     elif LAYOUT == _GROUP:
-        _store_groups(y, 0, n, q_row, s_row, GROUP_SIZE, BLOCK)
+        _store_groups(y, 0, n, q_row, s_row, stride_sg, GROUP_SIZE, BLOCK)
     else:
         tl.store(q_row + offs, _fp8(y, tl.load(static_ptr)), mask=mask)
 
 
 @triton.jit
-def _store_groups(y, start, n, q_row, s_row, GROUP_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+def _store_groups(y, start, n, q_row, s_row, stride_sg,
+                  GROUP_SIZE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """Columns start.. start + BLOCK (`start` a multiple of GROUP_SIZE) in groups of
-    GROUP_SIZE: one scale each, at `s_row[column // GROUP_SIZE]`."""
+    GROUP_SIZE: one scale each, at `s_row + (column // GROUP_SIZE) * stride_sg`."""
     offs = start + tl.arange(0, BLOCK)
     groups = tl.reshape(y, (BLOCK // GROUP_SIZE, GROUP_SIZE))
     scale = _scale_of(tl.max(tl.abs(groups), 1))
     q = tl.reshape(_fp8(groups, scale[:, None]), (BLOCK,))
     tl.store(q_row + offs, q, mask=offs < n)
     g = start // GROUP_SIZE + tl.arange(0, BLOCK // GROUP_SIZE)
-    tl.store(s_row + g, scale, mask=g * GROUP_SIZE < n)
+    tl.store(s_row + g * stride_sg, scale, mask=g * GROUP_SIZE < n)
 
 
 # fmt: off
 @triton.jit
 def _rms_norm_fp8_kernel(
     x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, static_ptr,
-    stride_x, stride_r, n, num_scales, eps,
+    stride_x, stride_r, n, stride_sm, stride_sg, eps,
     HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr, LAYOUT: tl.constexpr,
     GROUP_SIZE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
@@ -149,8 +150,8 @@ def _rms_norm_fp8_kernel(
     rstd = tl.math.rsqrt(tl.sum(xf * xf, 0) / n + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = ((xf * rstd).to(x.dtype).to(tl.float32) * w).to(OUT_DTYPE).to(tl.float32)
-    _store_quantized(y, offs, n, q_ptr + row * n, s_ptr + row * num_scales, static_ptr,
-                     LAYOUT, GROUP_SIZE, BLOCK)  # fmt: skip
+    _store_quantized(y, offs, n, q_ptr + row * n, s_ptr + row * stride_sm, stride_sg,
+                     static_ptr, LAYOUT, GROUP_SIZE, BLOCK)  # fmt: skip
 
 
 @triton.jit
@@ -231,7 +232,7 @@ def _chunk_amax_kernel(x_ptr, amax_ptr, stride_x, n, num_parts,
 # fmt: off
 @triton.jit
 def _quantize_rows_kernel(
-    x_ptr, q_ptr, s_ptr, static_ptr, amax_ptr, stride_x, n, num_scales, span, num_parts,
+    x_ptr, q_ptr, s_ptr, static_ptr, amax_ptr, stride_x, n, stride_sm, stride_sg, span, num_parts,
     SILU: tl.constexpr, LAYOUT: tl.constexpr, AMAX: tl.constexpr, GROUP_SIZE: tl.constexpr,
     PARTS: tl.constexpr, STEP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
@@ -246,7 +247,7 @@ def _quantize_rows_kernel(
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row, q_row = x_ptr + row * stride_x, q_ptr + row * n
-    s_row = s_ptr + row * num_scales
+    s_row = s_ptr + row * stride_sm
     offs = tl.arange(0, BLOCK)
     lo = tl.program_id(1) * span
     if LAYOUT == _TOKEN:
@@ -267,7 +268,7 @@ def _quantize_rows_kernel(
     else:
         y = _row(x_row, n, lo + offs, SILU)
         if LAYOUT == _GROUP:
-            _store_groups(y, lo, n, q_row, s_row, GROUP_SIZE, BLOCK)
+            _store_groups(y, lo, n, q_row, s_row, stride_sg, GROUP_SIZE, BLOCK)
         else:
             scale = tl.load(static_ptr)
             tl.store(q_row + lo + offs, _fp8(y, scale), mask=lo + offs < n)
@@ -297,7 +298,7 @@ def rms_norm_fp8(
         block = max(triton.next_power_of_2(n), quant.group if quant.layout == "group" else 1)
         _rms_norm_fp8_kernel[(x2.shape[0],)](
             x2, res2, weight, act.data, act.scale, x2 if res_out is None else res_out, static,
-            x2.stride(0), res2.stride(0), n, _num_scales(act), eps,
+            x2.stride(0), res2.stride(0), n, *_scale_strides(act), eps,
             HAS_RESIDUAL=residual is not None, OUT_DTYPE=_TL_DTYPE[out_dtype],
             LAYOUT=_LAYOUT[quant.layout], GROUP_SIZE=quant.group, BLOCK=block,
             num_warps=_row_warps(block), **pdl_args(x2.device),
@@ -338,7 +339,8 @@ def _quantize_rows(
     elif m and n:
         block = max(min(_CHUNK, triton.next_power_of_2(n)), quant.group)
         _quantize_rows_kernel[(m, triton.cdiv(n, block))](
-            x2, act.data, act.scale, static, static, x2.stride(0), n, _num_scales(act), block, 0,
+            x2, act.data, act.scale, static, static, x2.stride(0), n, *_scale_strides(act), block,
+            0,
             SILU=silu, LAYOUT=_LAYOUT[quant.layout], AMAX=_RECOMPUTE, GROUP_SIZE=quant.group,
             PARTS=1, STEP=block, BLOCK=block, num_warps=_row_warps(block), **pdl_args(x2.device),
         )  # fmt: skip
@@ -386,7 +388,7 @@ def _quantize_tokens(x2: torch.Tensor, n: int, act: Fp8Activation, silu: bool, p
     warps = _row_warps(block if path == "partials" else step)
     source = _PARTIALS if path == "partials" else _RECOMPUTE
     _quantize_rows_kernel[(m, programs)](
-        x2, act.data, act.scale, act.scale, amax, x2.stride(0), n, 1, span, parts,
+        x2, act.data, act.scale, act.scale, amax, x2.stride(0), n, 1, 1, span, parts,
         SILU=silu, LAYOUT=_LAYOUT["token"], AMAX=source, GROUP_SIZE=1,
         PARTS=triton.next_power_of_2(parts), STEP=step, BLOCK=block, num_warps=warps,
         **pdl_args(x2.device),
@@ -434,11 +436,19 @@ def _outputs(
     else:
         groups = -(-n // quant.group) if quant.layout == "group" else 1
         scale = static = torch.empty((m, groups), dtype=torch.float32, device=x2.device)
+        if quant.layout == "group" and m_major(quant, m):
+            scale = static = torch.empty((groups, m), dtype=torch.float32, device=x2.device).t()
     return Fp8Activation(bits, scale, dtype), static
 
 
-def _num_scales(act: Fp8Activation) -> int:
-    return act.scale.shape[1] if act.scale.dim() == 2 else 0
+def m_major(quant: ActivationQuant, rows: int) -> bool:
+    """Whether `rows` rows' group scales are stored M-major (`ActivationQuant.m_major_from`)."""
+    return quant.m_major_from is not None and rows >= quant.m_major_from and rows % 4 == 0
+
+
+def _scale_strides(act: Fp8Activation) -> tuple[int, int]:
+    """(row, group) strides of the scales the kernels store; 0 for a static scalar."""
+    return tuple(act.scale.stride()) if act.scale.dim() == 2 else (0, 0)
 
 
 def _shaped(act: Fp8Activation, shape: tuple[int, ...]) -> Fp8Activation:

@@ -23,7 +23,7 @@ from common.model.quantization import fp8_ops as ops
 from common.model.quantization.activation import ActivationQuant, Fp8Activation
 from common.model.quantization.base import LinearMethod, WeightLoader
 from common.model.quantization.config import QuantConfig
-from common.model.quantization.fp8_gemm import block_fp8_linear, fp8_linear
+from common.model.quantization.fp8_gemm import BLOCK_TRITON_MAX_M, block_fp8_linear, fp8_linear
 from common.model.quantization.fp8_loaders import (
     BlockScaleLoader,
     per_row_loader,
@@ -197,7 +197,9 @@ class Fp8BlockMethod(Fp8LinearMethod):
         layer.register_buffer("weight_block_scales", blocks if aligned else None, persistent=False)
 
     def input_quant(self, layer):
-        return ActivationQuant("group", group=self.config.block[1])
+        # Above BLOCK_TRITON_MAX_M rows the GEMM is cuBLASLt's, which reads the scales M-major.
+        group = self.config.block[1]
+        return ActivationQuant("group", group=group, m_major_from=BLOCK_TRITON_MAX_M + 1)
 
     def matmul(self, layer, xq, x_scale, out_dtype, bias):
         w, w_scale, bk = layer.weight, layer.weight_scale_rows, self.config.block[1]

@@ -82,8 +82,9 @@ def block_fp8_linear_cuda(
 def block_scaled_mm_linear(xq, x_scale, weight, w_block_scales, out_dtype, bias):
     """cuBLASLt's DeepSeek-style GEMM (sm90, CUDA >= 12.9): 1 x 128 activation scales
     [M, KB] and 128 x 128 weight scales [NB, KB], KB a multiple of 4. The layouts torch 2.11
-    reads: activation scales M-major (M padded here to a multiple of 4), weight scales
-    [KB, NB] K-block-major. Outputs bfloat16 or float32 (fp16 goes through bfloat16). With KB
+    reads: activation scales M-major (M padded here to a multiple of 4; the quantizing
+    kernels already store them so when `ActivationQuant.m_major_from` asks, and the copy
+    below is then a view), weight scales [KB, NB] K-block-major. Outputs bfloat16 or float32 (fp16 goes through bfloat16). With KB
     not a multiple of 4 torch 2.11 either refuses the scales or, given them unpadded,
     returns wrong numbers (seen on an H200), hence the ValueError."""
     m, kb = x_scale.shape
