@@ -54,7 +54,7 @@ from benchmarks.decode_loop import LoopDriver, build_node, greedy_params, mixed_
 from benchmarks.engine_floors import decode_floors, experts_info, touched_experts  # noqa: E402
 from benchmarks.engine_report import plot, print_table  # noqa: E402
 from benchmarks.moe_configs import TINY, unservable, write_tiny  # noqa: E402
-from benchmarks.profiles import host_table, kernel_table  # noqa: E402
+from benchmarks.profiles import host_table, kernel_table, timeline  # noqa: E402
 from benchmarks.roofline import (  # noqa: E402
     expert_layers,
     measure_ceilings,
@@ -202,6 +202,7 @@ def bench_prefill(
         if kernels:
             print(f"prefill of {n} tokens, {kernel_table(step, 5)}", flush=True)
             print(f"prefill of {n} tokens, {host_table(step, 5)}", flush=True)
+            print(f"prefill of {n} tokens, {timeline(step)}", flush=True)
         worker.allocator.free(seq.block_ids)
         row = {"tokens": n, "time_s": t, "flop_floor_s": None, "weight_floor_s": None}
         if ceil is not None:
