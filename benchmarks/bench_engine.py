@@ -265,7 +265,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile", action="store_true", help="cProfile the loop's host side")
     ap.add_argument("--kernel-profile", action="store_true",
                     help="device time per kernel (torch.profiler): decode at batch 1 and the "
-                    "largest, prefill at every length")  # fmt: skip
+                    "largest, prefill at every length, with each prefill's host table and "
+                    "timeline (`profiles.timeline`)")  # fmt: skip
     ap.add_argument("--prefill-lengths", type=int, nargs="+", default=[128, 512, 2048, 8192])
     ap.add_argument("--prefill-graph-max-tokens", type=int,
                     help="the engine's flag (default: the engine's default)")  # fmt: skip

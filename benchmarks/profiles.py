@@ -1,4 +1,5 @@
-"""Where a benchmark's time goes: the device time per kernel, the host time per function."""
+"""Where a benchmark's time goes: the device time per kernel, the host time per function, and
+where in one call the device waits on the host (`timeline`)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def timeline(fn: Callable[[], object], gaps: int = 12) -> str:
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        with open(f.name) as trace:
+            events = json.load(trace)["traceEvents"]
     return timeline_report(events, gaps)
 
 
