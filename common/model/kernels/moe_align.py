@@ -115,9 +115,8 @@ def moe_align(
         ids, partial, num_pairs, per, num_experts, E_PAD=e_pad, SUB=sub, **pdl_args(device)
     )
     _place_kernel[(programs,)](
-        ids, partial, plan.sorted_pairs, plan.pair_rows, plan.expert_ends, plan.block_expert,
-        num_pairs, blocks, rows, num_experts, per, **tiles, SUB=sub, TILE=_TILE,
-        **pdl_args(device),
+        ids, partial, plan.pair_rows, *layout, rows, num_experts, per, **tiles, SUB=sub,
+        TILE=_TILE, **pdl_args(device),
     )  # fmt: skip
     return plan
 
@@ -224,7 +223,7 @@ def _count_kernel(ids_ptr, partial_ptr, num_pairs, per_program, E,
 
 
 @triton.jit
-def _place_kernel(ids_ptr, partial_ptr, sorted_ptr, pair_rows_ptr, ends_ptr, block_expert_ptr,
+def _place_kernel(ids_ptr, partial_ptr, pair_rows_ptr, sorted_ptr, ends_ptr, block_expert_ptr,
                   num_pairs, num_blocks, num_rows, E, per_program,
                   E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BM_PAD: tl.constexpr,
                   BT: tl.constexpr, SUB: tl.constexpr, TILE: tl.constexpr,
