@@ -213,6 +213,30 @@ def test_block_dispatch_with_block_scales_matches_the_reference(m, m_major):
         assert_matches(out, ref, torch.bfloat16)
 
 
+@pytest.mark.skipif(not CUDA, reason="the cuBLASLt paths run on CUDA only")
+@pytest.mark.parametrize("m", [3, 64, 256, 1024])
+def test_every_fp8_gemm_path_writes_a_given_buffer(m):
+    """`out` (a prefill graph's static qkv buffer): cuBLASLt writes it directly where it can,
+    the other paths copy their result in; the values equal the path's own output tensor."""
+    (xq, xs, wq, rows, g), _, _ = block_case(m, 384, 1024, False)
+    _, blocks = ops.quantize_weight_blocks(operands(m, 384, 1024, False)[1], (g, g))
+    channel, bias, _ = channel_case(m, 256, 512, True)
+    runs = [
+        lambda out: fp8_gemm.block_fp8_linear_cuda(
+            xq, xs, wq, rows, g, torch.bfloat16, None, blocks, out
+        ),
+        lambda out: fp8_gemm.fp8_linear(*channel, torch.bfloat16, bias, out),
+        lambda out: fp8_gemm.fp8_linear(*channel, torch.bfloat16, None, out),
+    ]
+    for run in runs:
+        expected = run(None)
+        buffer = torch.full((m + 4, expected.shape[1]), float("nan"), dtype=torch.bfloat16,
+                            device=DEVICE)  # fmt: skip
+        out = run(buffer[:m])
+        assert out.data_ptr() == buffer.data_ptr() and torch.equal(buffer[:m], expected)
+        assert buffer[m:].isnan().all()
+
+
 def test_benchmark_smoke_run_checks_every_triton_candidate(tmp_path):
     out = tmp_path / "fp8.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -160,3 +160,40 @@ def test_a_tp_slice_that_cuts_a_128_block_is_refused_when_the_layer_is_built():
         MergedColumnParallelLinear(256, [192, 192], TPGroup(1, 2), method=method)
     with pytest.raises(ValueError, match="input columns 0..96 of 192 are not aligned"):
         RowParallelLinear(192, 256, TPGroup(0, 2), method=method)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        QuantConfig("tensor", "static", from_checkpoint=False),
+        QuantConfig("channel", "token", from_checkpoint=False),
+        QuantConfig("block", "group", (128, 128), "weight_scale_inv", from_checkpoint=False),
+    ],
+    ids=["tensor", "channel", "block"],
+)
+def test_each_fp8_method_writes_its_output_into_a_given_buffer(config):
+    """What a prefill graph's qkv projection does (`LinearMethod.apply`'s `out`): the same
+    values as the method's own output tensor, in the buffer, rows past it untouched."""
+    from common.model.quantization.selection import FP8_METHODS
+
+    layer = qkv(FP8_METHODS[config.weights](config), 0, head_dim=128, hidden=256)
+    layer.weight.data.copy_(randn(*layer.weight.shape) * 0.05)
+    process_weights_after_loading(layer)
+    x = randn(6, 256)
+    buffer = torch.full((8, layer.weight.shape[0]), float("nan"))
+    with torch.no_grad():
+        out = layer(x, buffer[:6])
+        assert out.data_ptr() == buffer.data_ptr()
+        assert torch.equal(buffer[:6], layer(x)) and buffer[6:].isnan().all()
+
+
+def test_scaled_mm_writes_a_given_buffer_directly():
+    """The per-tensor cuBLASLt call with `out` (CPU `_scaled_mm` here, the GPU in the GPU run)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    xs = torch.tensor(0.01, device=device)
+    x, w = randn(8, 64).to(device), randn(48, 64).to(device)
+    xq, (wq, ws) = ops.quantize_per_tensor(x, xs), ops.quantize_weight_per_tensor(w)
+    expected = scaled_mm_linear(xq, xs, wq, ws, torch.bfloat16, None)
+    buffer = torch.zeros(8, 48, dtype=torch.bfloat16, device=device)
+    out = scaled_mm_linear(xq, xs, wq, ws, torch.bfloat16, None, buffer)
+    assert out.data_ptr() == buffer.data_ptr() and torch.equal(buffer, expected)

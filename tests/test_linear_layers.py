@@ -20,6 +20,7 @@ from common.model.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from common.model.loader import dummy_full_tensors, fill_dummy_weights
 from common.model.parallel import TPLayout
 from common.model.quantization import UnquantizedLinearMethod
+from common.model.quantization.base import written_to
 from common.model.registry import MODELS, model_class
 from common.model.spec import SUPPORTED_ARCHITECTURES, ModelSpec, RopeSpec
 
@@ -193,8 +194,8 @@ def test_a_linear_method_computes_every_linear_layer_and_gets_its_after_loading_
     class Doubling(UnquantizedLinearMethod):
         finished = 0
 
-        def apply(self, layer, x, bias):
-            return 2 * super().apply(layer, x, bias)
+        def apply(self, layer, x, bias, out=None):
+            return written_to(out, 2 * super().apply(layer, x, bias))
 
         def process_weights_after_loading(self, layer):
             Doubling.finished += 1
@@ -214,3 +215,16 @@ def test_every_supported_architecture_has_a_model_class_and_others_are_refused()
     assert set(SUPPORTED_ARCHITECTURES) <= set(MODELS)
     with pytest.raises(ValueError, match="'GPT2LMHeadModel'.*registered: .*LlamaForCausalLM"):
         model_class("GPT2LMHeadModel")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_column_parallel_layer_writes_its_output_into_a_given_buffer(bias):
+    layer = ColumnParallelLinear(8, 6, TPGroup.single(), bias=bias)
+    with torch.no_grad():
+        fill_dummy_weights(layer, seed=3)
+    x = torch.randn(5, 8)
+    buffer = torch.full((7, 6), float("nan"))
+    with torch.no_grad():  # as the engine runs: no autograd through an out= matmul
+        out = layer(x, buffer[:5])
+        assert out.data_ptr() == buffer.data_ptr()
+        assert torch.equal(buffer[:5], layer(x)) and buffer[5:].isnan().all()

@@ -115,3 +115,44 @@ def test_the_per_layer_hook_runs_after_each_layer_on_the_graph_path(model):
     worker.runner.execute(ScheduledBatch([ScheduledSeq(seq, 0, len(prompt))]), hook)
     assert seen == [(layer, True) for layer in range(3)]
     assert worker.runner.prefill_graphs.launches == 1
+
+
+def test_the_qkv_projection_writes_into_the_static_buffer(model, monkeypatch):
+    """Each layer's qkv projection lands in the pieces' `qkv` buffer
+    (`_Boundary.projection_buffer`), where the eager attention reads it: on CUDA, where the
+    rotation is in place, no boundary copy follows (on CPU the rotated copies are copied
+    back)."""
+    from common.model.layers.linear import QKVParallelLinear
+
+    folder, hf = model
+    llm = engine(folder, overlap=False)
+    buffer = llm.engine.worker.runner.prefill_graphs.qkv
+    into_buffer = []
+    project = QKVParallelLinear.forward
+
+    def spy(self, x, out=None):
+        y = project(self, x, out)
+        into_buffer.append(y.data_ptr() == buffer.data_ptr())
+        return y
+
+    monkeypatch.setattr(QKVParallelLinear, "forward", spy)
+    prompt = prompts()[2]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2))[0]
+    assert out.token_ids == hf_greedy(hf, prompt, 2)
+    # the prefill step's three layers through the buffer; the decode step's eager layers not
+    assert into_buffer == [True] * 3 + [False] * 3
+
+
+def test_the_output_projection_runs_with_the_attention_into_the_static_buffer(model):
+    """The o_proj of each layer runs eagerly after the attention (`attention_projected`),
+    writing the buffer the next piece reads: the attention's output is not copied."""
+    folder, hf = model
+    llm = engine(folder, overlap=False)
+    graphs = llm.engine.worker.runner.prefill_graphs
+    graphs.attn_out.fill_(float("nan"))  # read by no piece: the output stays NaN-free
+    prompt = prompts()[3]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2))[0]
+    assert out.token_ids == hf_greedy(hf, prompt, 2)
+    layers = llm.engine.worker.model.model.layers
+    assert graphs.projects == [layer.self_attn.project for layer in layers]
+    assert graphs.attn_out.isnan().all()

@@ -137,13 +137,20 @@ class Attention(nn.Module):
         rotary: RotaryEmbedding,
         ctx: ForwardContext,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        rows = (x.data if isinstance(x, Fp8Activation) else x).shape[0]
+        qkv = self.qkv_proj(x, ctx.projection_buffer(rows, self.q_size + 2 * self.kv_size))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k, (self.q_norm, self.k_norm) if self.qk_norm else None)
-        out = ctx.attention(self.layer, q, k, v).reshape(-1, self.q_size)
-        return self.o_proj(quantize(out, self.o_proj.input_quant))
+        return ctx.attention_projected(self.layer, q, k, v, self.project)
+
+    def project(self, attended: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The output projection of the attention's [T, heads, head_dim] result -> [T, hidden]
+        (into `out` when given: `ForwardContext.attention_projected`)."""
+        attended = attended.reshape(-1, self.q_size)
+        return self.o_proj(quantize(attended, self.o_proj.input_quant), out)
 
 
 class MLP(nn.Module):

@@ -262,6 +262,12 @@ class ForwardContext:
         self.latent_caches = latent_caches
         self.latent_scales = latent_scales
 
+    def projection_buffer(self, rows: int, width: int) -> torch.Tensor | None:
+        """Where a layer's qkv projection may write its [rows, width] output, or None for a
+        tensor of its own. A prefill graph's pieces (`prefill_graphs._Boundary`) offer their
+        static buffer, so the projection lands where the eager attention reads it."""
+        return None
+
     def attention(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
@@ -274,6 +280,20 @@ class ForwardContext:
         if self.on_layer_done is not None:
             self.on_layer_done(layer)
         return out
+
+    def attention_projected(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        project: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+    ) -> torch.Tensor:
+        """`attention`, then the layer's output projection `project(attended, out)`. The
+        prefill graphs (`prefill_graphs._Boundary`) run the projection eagerly with the
+        attention, into a static buffer the next piece reads: the attention's own output
+        tensor needs no copy into a buffer then."""
+        return project(self.attention(layer, q, k, v), None)
 
     def latent_attention(
         self,

@@ -81,8 +81,12 @@ class ColumnParallelBase(LinearBase):
         self.method.create_weights(self, input_size, self.output_sizes, self.weight_loader)
         self._add_bias(sum(self.output_sizes), bias)
 
-    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
-        return self.method.apply(self, x, self.bias)
+    def forward(
+        self, x: torch.Tensor | Fp8Activation, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`out`: where the output goes, as `LinearMethod.apply` (no collective follows a
+        column-parallel layer, so it is the layer's output as it stands)."""
+        return self.method.apply(self, x, self.bias, out)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None
@@ -183,10 +187,13 @@ class RowParallelLinear(LinearBase):
         self.method.create_weights(self, len(self.columns), [output_size], self.weight_loader)
         self._add_bias(output_size, bias)
 
-    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
-        """`x` is this rank's input columns; FP8 scales of them are rank-local too."""
-        out = self.method.apply(self, x, self.bias if self.tp.rank == 0 else None)
-        return self.tp.all_reduce(out) if self.reduce else out
+    def forward(
+        self, x: torch.Tensor | Fp8Activation, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`x` is this rank's input columns; FP8 scales of them are rank-local too. `out`: as
+        `LinearMethod.apply` (the sum over ranks is taken there, in place)."""
+        y = self.method.apply(self, x, self.bias if self.tp.rank == 0 else None, out)
+        return self.tp.all_reduce(y) if self.reduce else y
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None

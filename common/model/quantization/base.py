@@ -39,10 +39,24 @@ class LinearMethod:
         return None
 
     def apply(
-        self, layer: nn.Module, x: torch.Tensor | Fp8Activation, bias: torch.Tensor | None
+        self,
+        layer: nn.Module,
+        x: torch.Tensor | Fp8Activation,
+        bias: torch.Tensor | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`x` [..., K] -> [..., N]. An `Fp8Activation` comes only when `input_quant` asked."""
+        """`x` [M, K] -> [M, N]. An `Fp8Activation` comes only when `input_quant` asked.
+        `out`, a contiguous [M, N] tensor of the output dtype, receives the result and is
+        returned: a prefill graph's static buffer, which the GEMM can write directly where
+        a copy would otherwise follow (`written_to` for the paths that cannot)."""
         raise NotImplementedError
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Runs once after every tensor is loaded (repacking, scale folding); none by default."""
+
+
+def written_to(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """`result`, or its copy in `out` when the caller gave one (`LinearMethod.apply`)."""
+    if out is None:
+        return result
+    return out.copy_(result.reshape(out.shape))

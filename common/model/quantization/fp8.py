@@ -84,12 +84,16 @@ class Fp8LinearMethod(LinearMethod):
         return quantize_fp8(x, self.input_quant(layer))
 
     def apply(
-        self, layer: nn.Module, x: torch.Tensor | Fp8Activation, bias: torch.Tensor | None
+        self,
+        layer: nn.Module,
+        x: torch.Tensor | Fp8Activation,
+        bias: torch.Tensor | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         act = x if isinstance(x, Fp8Activation) else self.quantize_input(layer, x)
         shape = act.data.shape
-        out = self.matmul(layer, act.data.reshape(-1, shape[-1]), act.scale, act.dtype, bias)
-        return out.reshape(*shape[:-1], out.shape[-1])
+        y = self.matmul(layer, act.data.reshape(-1, shape[-1]), act.scale, act.dtype, bias, out)
+        return y.reshape(*shape[:-1], y.shape[-1])
 
     def matmul(
         self,
@@ -98,9 +102,11 @@ class Fp8LinearMethod(LinearMethod):
         x_scale: torch.Tensor,
         out_dtype: torch.dtype,
         bias: torch.Tensor | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """FP8 rows [M, K] with their scales in `input_quant`'s layout -> [M, N]."""
-        return fp8_linear(xq, x_scale, layer.weight, layer.weight_scale, out_dtype, bias)
+        """FP8 rows [M, K] with their scales in `input_quant`'s layout -> [M, N] (in `out`
+        when given, as `LinearMethod.apply`)."""
+        return fp8_linear(xq, x_scale, layer.weight, layer.weight_scale, out_dtype, bias, out)
 
     # Per layout:
     def create_scales(self, layer: nn.Module, input_size: int, output_sizes: list[int]) -> None:
@@ -201,7 +207,7 @@ class Fp8BlockMethod(Fp8LinearMethod):
         group = self.config.block[1]
         return ActivationQuant("group", group=group, m_major_from=BLOCK_TRITON_MAX_M + 1)
 
-    def matmul(self, layer, xq, x_scale, out_dtype, bias):
+    def matmul(self, layer, xq, x_scale, out_dtype, bias, out=None):
         w, w_scale, bk = layer.weight, layer.weight_scale_rows, self.config.block[1]
         blocks = layer.weight_block_scales
-        return block_fp8_linear(xq, x_scale, w, w_scale, bk, out_dtype, bias, blocks)
+        return block_fp8_linear(xq, x_scale, w, w_scale, bk, out_dtype, bias, blocks, out)

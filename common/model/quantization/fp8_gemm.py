@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from common.model.quantization.base import written_to
+
 # Thresholds on M from benchmarks/bench_fp8_linear.py on one H200 (graph-replayed GEMM time,
 # Qwen2.5-7B and Qwen3-8B linears; speedups over bf16 summed over a model's linears).
 # Row-wise scales: the Triton kernel up to TRITON_MAX_M (1.46-1.67x, where row-wise
@@ -35,21 +37,25 @@ def fp8_linear(
     w_scale: torch.Tensor,
     out_dtype: torch.dtype,
     bias: torch.Tensor | None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """xq FP8 [M, K] with x_scale a float32 scalar or [M, 1]; weight FP8 [N, K] (row-major)
-    with w_scale a float32 scalar or [N]. Two scalars take per-tensor `_scaled_mm` at every M."""
+    with w_scale a float32 scalar or [N]. Two scalars take per-tensor `_scaled_mm` at every M.
+    `out`: as `LinearMethod.apply` (the cuBLASLt paths write it directly)."""
     if not xq.is_cuda:
-        return reference_linear(xq, x_scale, weight, w_scale, out_dtype, bias)
+        return written_to(out, reference_linear(xq, x_scale, weight, w_scale, out_dtype, bias))
     m, k, n = xq.shape[0], xq.shape[1], weight.shape[0]
     if x_scale.numel() == 1 and w_scale.numel() == 1 and k % 16 == 0 and n % 16 == 0:
-        return scaled_mm_linear(xq, x_scale, weight, w_scale, out_dtype, bias)
+        return scaled_mm_linear(xq, x_scale, weight, w_scale, out_dtype, bias, out)
     if m <= TRITON_MAX_M or k % 16 or n % 16:  # cuBLASLt wants K and N multiples of 16
         from common.model.kernels import fp8_gemm_kernels
 
-        return fp8_gemm_kernels.w8a8_channel_mm(xq, x_scale, weight, w_scale, out_dtype, bias)
+        y = fp8_gemm_kernels.w8a8_channel_mm(xq, x_scale, weight, w_scale, out_dtype, bias)
+        return written_to(out, y)
     if m <= EPILOGUE_MAX_M:
-        return unit_scale_mm_linear(xq, x_scale, weight, w_scale, out_dtype, bias)
-    return scaled_mm_linear(xq, x_scale, weight, w_scale, out_dtype, bias)
+        y = unit_scale_mm_linear(xq, x_scale, weight, w_scale, out_dtype, bias)
+        return written_to(out, y)
+    return scaled_mm_linear(xq, x_scale, weight, w_scale, out_dtype, bias, out)
 
 
 def block_fp8_linear_cuda(
@@ -61,6 +67,7 @@ def block_fp8_linear_cuda(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None,
     w_block_scales: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`block_fp8_linear` on CUDA: xq FP8 [M, K] with x_scale [M, KB] (per token and group_k
     columns), weight FP8 [N, K] with w_scale_rows [N, KB] (each row's block scales), KB =
@@ -71,58 +78,69 @@ def block_fp8_linear_cuda(
     # K in whole groups of 4 blocks: the only layout torch 2.11 computes right.
     cublas_shape = group_k == 128 and k % 512 == 0 and n % 16 == 0
     if w_block_scales is not None and m > BLOCK_TRITON_MAX_M and cublas_shape:
-        return block_scaled_mm_linear(xq, x_scale, weight, w_block_scales, out_dtype, bias)
+        return block_scaled_mm_linear(xq, x_scale, weight, w_block_scales, out_dtype, bias, out)
     from common.model.kernels import fp8_gemm_kernels
 
-    return fp8_gemm_kernels.w8a8_block_mm(
-        xq, x_scale, weight, w_scale_rows, group_k, out_dtype, bias
-    )
+    y = fp8_gemm_kernels.w8a8_block_mm(xq, x_scale, weight, w_scale_rows, group_k, out_dtype, bias)
+    return written_to(out, y)
 
 
-def block_scaled_mm_linear(xq, x_scale, weight, w_block_scales, out_dtype, bias):
+def block_scaled_mm_linear(xq, x_scale, weight, w_block_scales, out_dtype, bias, out=None):
     """cuBLASLt's DeepSeek-style GEMM (sm90, CUDA >= 12.9): 1 x 128 activation scales
     [M, KB] and 128 x 128 weight scales [NB, KB], KB a multiple of 4. The layouts torch 2.11
     reads: activation scales M-major (M padded here to a multiple of 4; the quantizing
     kernels already store them so when `ActivationQuant.m_major_from` asks, and the copy
     below is then a view), weight scales [KB, NB] K-block-major. Outputs bfloat16 or float32 (fp16 goes through bfloat16). With KB
     not a multiple of 4 torch 2.11 either refuses the scales or, given them unpadded,
-    returns wrong numbers (seen on an H200), hence the ValueError."""
+    returns wrong numbers (seen on an H200), hence the ValueError. `out`: as
+    `LinearMethod.apply`, written by the GEMM when no padding, bias or cast follows it."""
     m, kb = x_scale.shape
     if kb % 4:
         raise ValueError(f"cuBLASLt block scales need K blocks in multiples of 4, got {kb}")
+    scale_b = w_block_scales.t()
+    if out is not None and m % 4 == 0 and bias is None and out.dtype == torch.bfloat16:
+        return torch._scaled_mm(
+            xq, weight.t(), scale_a=x_scale.t().contiguous().t(), scale_b=scale_b,
+            out_dtype=torch.bfloat16, out=out,
+        )  # fmt: skip
     if m % 4:
         pad = 4 - m % 4
         xq = F.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(xq.dtype)
         x_scale = F.pad(x_scale, (0, 0, 0, pad), value=1.0)
-    scale_b = w_block_scales.t()
     mm_dtype = torch.float32 if out_dtype == torch.float32 else torch.bfloat16
-    out = torch._scaled_mm(
+    y = torch._scaled_mm(
         xq, weight.t(), scale_a=x_scale.t().contiguous().t(), scale_b=scale_b, out_dtype=mm_dtype
     )[:m]
-    return (out if bias is None else out + bias).to(out_dtype)
+    return written_to(out, (y if bias is None else y + bias).to(out_dtype))
 
 
-def scaled_mm_linear(xq, x_scale, weight, w_scale, out_dtype, bias):
+def scaled_mm_linear(xq, x_scale, weight, w_scale, out_dtype, bias, out=None):
     """cuBLASLt FP8 GEMM. It wants the second operand column-major: `weight.t()` of a
     row-major [N, K] weight is exactly that, no copy. Per-tensor: two scalar scales; otherwise
     row-wise, which takes scale_a [M, 1] and scale_b [1, N] (a scalar side is expanded).
     Assumptions to check on the GPU: row-wise scaling outputs bfloat16 only (torch <= 2.7),
     and K, N multiples of 16. A bfloat16 bias (Qwen2's qkv) is added in the GEMM's epilogue,
-    rounded once: as a separate add it took 25 us of a 2k-token prefill's qkv on an H200."""
+    rounded once: as a separate add it took 25 us of a 2k-token prefill's qkv on an H200.
+    `out`: as `LinearMethod.apply`, written by the GEMM when nothing follows it."""
     m, n = xq.shape[0], weight.shape[0]
     if x_scale.numel() == 1 and w_scale.numel() == 1:
-        out = torch._scaled_mm(
-            xq, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype
-        )
-        return (out if bias is None else out + bias).to(out_dtype)
+        if out is not None and bias is None and out.dtype == out_dtype:
+            return torch._scaled_mm(
+                xq, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype, out=out
+            )
+        y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype)
+        return written_to(out, (y if bias is None else y + bias).to(out_dtype))
     scale_a = x_scale.reshape(-1, 1).expand(m, 1).contiguous()
     scale_b = w_scale.reshape(1, -1).expand(1, n).contiguous()
     fused = bias is not None and bias.dtype == torch.bfloat16
-    out = torch._scaled_mm(
+    direct = out is not None and (bias is None or fused) and out_dtype == torch.bfloat16
+    y = torch._scaled_mm(
         xq, weight.t(), scale_a=scale_a, scale_b=scale_b, bias=bias if fused else None,
-        out_dtype=torch.bfloat16,
+        out_dtype=torch.bfloat16, **({"out": out} if direct else {}),
     )  # fmt: skip
-    return (out if bias is None or fused else out + bias).to(out_dtype)  # float32 promotes
+    if direct:
+        return y
+    return written_to(out, (y if bias is None or fused else y + bias).to(out_dtype))
 
 
 def unit_scale_mm_linear(xq, x_scale, weight, w_scale, out_dtype, bias):
@@ -155,17 +173,19 @@ def block_fp8_linear(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None,
     w_block_scales: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Block-scaled FP8 GEMM: xq FP8 [M, K] with x_scale float32 [M, KB] (one per token and
     `group_k` columns, KB = ceil(K / group_k)); weight FP8 [N, K] with w_scale_rows float32
     [N, KB] (each output row's block scales) -> [M, N] in `out_dtype`. `w_block_scales`: see
-    `block_fp8_linear_cuda`; the reference does not need them."""
+    `block_fp8_linear_cuda`; the reference does not need them. `out`: as
+    `LinearMethod.apply`."""
     if xq.is_cuda:
         return block_fp8_linear_cuda(
-            xq, x_scale, weight, w_scale_rows, group_k, out_dtype, bias, w_block_scales
+            xq, x_scale, weight, w_scale_rows, group_k, out_dtype, bias, w_block_scales, out
         )
     from common.model.quantization.fp8_ops import expand_groups
 
     k = xq.shape[-1]
     x_scale, w_scale = expand_groups(x_scale, group_k, k), expand_groups(w_scale_rows, group_k, k)
-    return reference_linear(xq, x_scale, weight, w_scale, out_dtype, bias)
+    return written_to(out, reference_linear(xq, x_scale, weight, w_scale, out_dtype, bias))

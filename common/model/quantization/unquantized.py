@@ -22,5 +22,16 @@ class UnquantizedLinearMethod(LinearMethod):
         weight.weight_loader = weight_loader
         layer.register_parameter("weight", weight)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+    def apply(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if out is None:
+            return F.linear(x, layer.weight, bias)
+        # What F.linear runs for a 2-D input (mm, or addmm with the bias), into `out`.
+        if bias is None:
+            return torch.mm(x, layer.weight.t(), out=out)
+        return torch.addmm(bias, x, layer.weight.t(), out=out)
