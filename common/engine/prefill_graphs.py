@@ -15,7 +15,8 @@ attention, then the layer's output projection into `projected` (MLA: the attenti
 copied into `attn_out`), so the attention's output needs no copy into a static buffer (7 us a
 layer for Qwen3-30B-A3B's 2048-token bucket on an H200). The buffer's padding rows hold stale,
 finite values (dense ops are row-wise). The per-layer hook runs right after that layer's
-attention, as in an eager step. On CPU nothing is captured; the same padded forward and boundary copies run.
+attention, as in an eager step. On CPU nothing is captured; the same padded forward and
+boundary copies run.
 A pipeline stage captures only its layers, reading and writing the carry as `DecodeGraphs` does.
 """
 

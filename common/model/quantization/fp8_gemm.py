@@ -97,20 +97,19 @@ def block_scaled_mm_linear(xq, x_scale, weight, w_block_scales, out_dtype, bias,
     m, kb = x_scale.shape
     if kb % 4:
         raise ValueError(f"cuBLASLt block scales need K blocks in multiples of 4, got {kb}")
-    scale_b = w_block_scales.t()
-    if out is not None and m % 4 == 0 and bias is None and out.dtype == torch.bfloat16:
-        return torch._scaled_mm(
-            xq, weight.t(), scale_a=x_scale.t().contiguous().t(), scale_b=scale_b,
-            out_dtype=torch.bfloat16, out=out,
-        )  # fmt: skip
+    direct = out is not None and m % 4 == 0 and bias is None and out_dtype == torch.bfloat16
     if m % 4:
         pad = 4 - m % 4
         xq = F.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(xq.dtype)
         x_scale = F.pad(x_scale, (0, 0, 0, pad), value=1.0)
     mm_dtype = torch.float32 if out_dtype == torch.float32 else torch.bfloat16
     y = torch._scaled_mm(
-        xq, weight.t(), scale_a=x_scale.t().contiguous().t(), scale_b=scale_b, out_dtype=mm_dtype
-    )[:m]
+        xq, weight.t(), scale_a=x_scale.t().contiguous().t(), scale_b=w_block_scales.t(),
+        out_dtype=mm_dtype, **({"out": out} if direct else {}),
+    )  # fmt: skip
+    if direct:
+        return y
+    y = y[:m]
     return written_to(out, (y if bias is None else y + bias).to(out_dtype))
 
 
@@ -124,11 +123,13 @@ def scaled_mm_linear(xq, x_scale, weight, w_scale, out_dtype, bias, out=None):
     `out`: as `LinearMethod.apply`, written by the GEMM when nothing follows it."""
     m, n = xq.shape[0], weight.shape[0]
     if x_scale.numel() == 1 and w_scale.numel() == 1:
-        if out is not None and bias is None and out.dtype == out_dtype:
-            return torch._scaled_mm(
-                xq, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype, out=out
-            )
-        y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype)
+        direct = out is not None and bias is None
+        y = torch._scaled_mm(
+            xq, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype,
+            **({"out": out} if direct else {}),
+        )  # fmt: skip
+        if direct:
+            return y
         return written_to(out, (y if bias is None else y + bias).to(out_dtype))
     scale_a = x_scale.reshape(-1, 1).expand(m, 1).contiguous()
     scale_b = w_scale.reshape(1, -1).expand(1, n).contiguous()
