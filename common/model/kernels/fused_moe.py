@@ -33,6 +33,7 @@ import functools
 import torch
 import torch.nn.functional as F
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from common.model import ops
 from common.model.kernels import fused_ops
@@ -87,6 +88,9 @@ class GemmTiles:
     block_k: int
     num_warps: int
     num_stages: int
+    # The expert weights' tiles (and in the down GEMM a whole block's rows of h) come through
+    # TMA descriptors, not per-thread loads (CUDA from Hopper on, and the interpreter).
+    tma: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,21 +113,31 @@ class MoEConfig:
 # (Qwen3-30B-A3B: 128 pairs an expert) about half the experts have a second block holding a
 # few pairs. `sweep_moe_fp8.py tail` (bf16 rows), us a layer: 2048 tokens 560 -> 497, 4096
 # 823 -> 754, 8192 1388 -> 1316. The FP8 prefill tiles (64 rows) keep none: per-row scales
-# lost 2-7% with it, block scales gained 1-6% (not yet timed in the engine).
+# lost 2-7% with it, block scales gained 1-6% (not yet timed in the engine). Up to 128 rows
+# an expert the weights (and the down GEMM's h) come through TMA, 4 tiles deep:
+# `sweep_moe_tma.py` (2026-11-26), 2048 tokens 506 -> 479 us; at 4096 and 8192 tokens neither
+# TMA nor the depth moved the layer by more than the calls' 2-4% noise.
 MOE_CONFIGS: tuple[tuple[float, MoEConfig], ...] = (
     (0.5, MoEConfig(16, GemmTiles(64, 256, 4, 3), GemmTiles(64, 256, 4, 3))),
     (16, MoEConfig(16, GemmTiles(128, 128, 4, 3), GemmTiles(128, 128, 4, 3))),
     (64, MoEConfig(64, GemmTiles(128, 64, 8, 4), GemmTiles(128, 64, 8, 4))),
+    (
+        128,
+        MoEConfig(
+            128, GemmTiles(128, 64, 8, 4, tma=True), GemmTiles(256, 64, 8, 4, tma=True), tail_m=64
+        ),
+    ),
     (float("inf"), MoEConfig(128, GemmTiles(128, 64, 8, 3), GemmTiles(256, 64, 8, 3), tail_m=64)),
 )
 # FP8 experts beyond 64 rows per expert, by scale layout (block, per row): the bf16 prefill tiles
 # spill there (FP8 block at 2048 tokens: 2154 us against 560 for bf16), since each K block's
 # product is a fresh accumulator. The best of a sweep on one H200 (Qwen3-30B-A3B, 2048 tokens,
 # one layer, graph-replayed over rotated weights; sweep_moe_fp8 in docs/benchmarks.md): 535 and
-# 441 us. Up to 64 rows per expert MOE_CONFIGS was within 2% of the sweep's best.
+# 441 us. Up to 64 rows per expert MOE_CONFIGS was within 2% of the sweep's best. Through TMA,
+# 4 tiles deep (`sweep_moe_tma.py`, 2026-11-26, 2048 tokens): 524 -> 496 and 420 -> 396 us.
 FP8_PREFILL_CONFIGS = {
-    True: MoEConfig(64, GemmTiles(64, 128, 4, 3), GemmTiles(64, 128, 4, 3)),
-    False: MoEConfig(64, GemmTiles(128, 128, 4, 3), GemmTiles(128, 128, 4, 3)),
+    True: MoEConfig(64, GemmTiles(64, 128, 4, 4, tma=True), GemmTiles(64, 128, 4, 4, tma=True)),
+    False: MoEConfig(64, GemmTiles(128, 128, 4, 4, tma=True), GemmTiles(128, 128, 4, 4, tma=True)),
 }
 # Up to this many tokens the experts run as GEMVs (`GEMV_CONFIG`): each pair reads its expert's
 # weights itself, which costs nothing while the pairs of a step rarely share an expert.
@@ -260,13 +274,13 @@ def fused_moe_triton(
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     blocks = plan.block_expert.shape[0]
-    t1 = config.gate_up
+    t1 = _tma_checked(config.gate_up, w13)
     gate_up_kernel[(blocks * triton.cdiv(inter, t1.block_n),)](
-        a, w13, a_scale, s13, plan.sorted_pairs, plan.block_expert, h,
+        a, w13, _weight_tiles(w13, t1), a_scale, s13, plan.sorted_pairs, plan.block_expert, h,
         plan.num_pairs, blocks, inter, hidden,
         a.stride(0), w13.stride(0), w13.stride(1), *act_scale_strides(a_scale),
         *weight_scale_strides(s13), h.stride(0),
-        EVEN_K=hidden % t1.block_k == 0, BLOCK_N=t1.block_n, BLOCK_K=t1.block_k,
+        EVEN_K=hidden % t1.block_k == 0, BLOCK_N=t1.block_n, BLOCK_K=t1.block_k, TMA=t1.tma,
         PROMOTE=promote_k(t1.block_k), num_warps=t1.num_warps, num_stages=t1.num_stages,
         **common, **scale_args, **pdl_args(x.device),
     )  # fmt: skip
@@ -274,18 +288,39 @@ def fused_moe_triton(
     if fp8:
         ha = ops.quantize_fp8(h, quant)
         h, h_scale = ha.data, ha.scale
-    t2 = config.down
+    t2 = _tma_checked(config.down, w2)
+    h_tiles = TensorDescriptor.from_tensor(h, [config.block_m, t2.block_k]) if t2.tma else h
     down_kernel[(blocks * triton.cdiv(hidden, t2.block_n),)](
-        h, w2, h_scale, s2, plan.sorted_pairs, plan.block_expert, topk_weights.contiguous(), y,
-        plan.num_pairs, blocks, hidden, inter,
+        h, h_tiles, w2, _weight_tiles(w2, t2), h_scale, s2, plan.sorted_pairs, plan.block_expert,
+        topk_weights.contiguous(), y, plan.num_pairs, blocks, hidden, inter,
         h.stride(0), w2.stride(0), w2.stride(1), *act_scale_strides(h_scale),
         *weight_scale_strides(s2), y.stride(0),
-        EVEN_K=inter % t2.block_k == 0, BLOCK_N=t2.block_n, BLOCK_K=t2.block_k,
+        EVEN_K=inter % t2.block_k == 0, BLOCK_N=t2.block_n, BLOCK_K=t2.block_k, TMA=t2.tma,
         PROMOTE=promote_k(t2.block_k), num_warps=t2.num_warps, num_stages=t2.num_stages,
         **common, **scale_args, **pdl_args(x.device),
     )  # fmt: skip
     _sum_slots(y, plan, None, out)
     return out
+
+
+def _tma_checked(tiles: GemmTiles, w: torch.Tensor) -> GemmTiles:
+    """`tiles`, without TMA where it cannot read `w` (and the h rows, as wide as w2's): a GPU
+    older than Hopper, or rows not on 16-byte boundaries. TMA is a speed choice only."""
+    if not tiles.tma:
+        return tiles
+    old_gpu = w.device.type == "cuda" and torch.cuda.get_device_capability(w.device)[0] < 9
+    if old_gpu or (w.shape[2] * w.element_size()) % 16 or w.data_ptr() % 16:
+        return dataclasses.replace(tiles, tma=False)
+    return tiles
+
+
+def _weight_tiles(w: torch.Tensor, tiles: GemmTiles):
+    """The TMA descriptor of `w` [E, N, K] seen as [E * N, K], in [block_n, block_k] tiles; `w`
+    itself standing in (never read) without TMA. A tile running past an expert's N rows reads
+    the next expert's (or zeros past the end): those columns are never stored."""
+    if not tiles.tma:
+        return w
+    return TensorDescriptor.from_tensor(w.view(-1, w.shape[2]), [tiles.block_n, tiles.block_k])
 
 
 def _within_scale_blocks(config: MoEConfig, group: int) -> MoEConfig:

@@ -2,7 +2,9 @@
 gather before `torch._grouped_mm` and the per-token sum of the k slots.
 
 Contracts: weights are row-major [E, N, K] (unit stride along K: each weight tile is K-major,
-as the MMA wants it); activations have unit stride along their last dim; a program owns
+as the MMA wants it), read by per-thread loads or, with TMA (Hopper's tensor memory
+accelerator: one thread issues a tile's copy into shared memory), through a descriptor of the
+[E * N, K] view; activations have unit stride along their last dim; a program owns
 `BLOCK_M` plan rows (one expert: `block_expert`) and `BLOCK_N` output columns; a block owned
 by no expert (-1) returns at once. Rows holding no pair (`sorted_pairs` == num_pairs) compute
 on token 0 (no masks on the hot loads) and are never read downstream (`pair_rows` skips them).
@@ -97,13 +99,13 @@ def _filled_rows(sorted_ptr, first, num_pairs, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def gate_up_kernel(
-    x_ptr, w_ptr, xs_ptr, ws_ptr, sorted_ptr, block_expert_ptr, h_ptr,
+    x_ptr, w_ptr, w_desc, xs_ptr, ws_ptr, sorted_ptr, block_expert_ptr, h_ptr,
     num_pairs, blocks_m, N, K, stride_xm, stride_we, stride_wn,
     stride_xsm, stride_xsk, stride_se, stride_sn, stride_sk, stride_hm,
     TOP_K: tl.constexpr, EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr, SCALE_GN: tl.constexpr, SCALE_GK: tl.constexpr, PROMOTE: tl.constexpr,
-    TAIL_M: tl.constexpr = 0, PDL: tl.constexpr = False,
+    TAIL_M: tl.constexpr = 0, TMA: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """h[row, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, N + n]) for N = I: the gate column
     and its up column in one program (two accumulators), so SiLU-and-mul is the epilogue. With
@@ -121,35 +123,35 @@ def gate_up_kernel(
         if TAIL_M >= 32:
             if filled <= TAIL_M // 2:
                 _gate_up_rows(
-                    x_ptr, w_ptr, xs_ptr, ws_ptr, sorted_ptr, h_ptr, first, expert, pid_n,
+                    x_ptr, w_ptr, w_desc, xs_ptr, ws_ptr, sorted_ptr, h_ptr, first, expert, pid_n,
                     num_pairs, N, K, stride_xm, stride_we, stride_wn, stride_xsm, stride_xsk,
                     stride_se, stride_sn, stride_sk, stride_hm, TOP_K, EVEN_K, PRECISION,
-                    TAIL_M // 2, BLOCK_N, BLOCK_K, FP8, SCALE_GN, SCALE_GK, PROMOTE,
+                    TAIL_M // 2, BLOCK_N, BLOCK_K, FP8, SCALE_GN, SCALE_GK, PROMOTE, TMA,
                 )  # fmt: skip
                 return
         if filled <= TAIL_M:
             _gate_up_rows(
-                x_ptr, w_ptr, xs_ptr, ws_ptr, sorted_ptr, h_ptr, first, expert, pid_n, num_pairs, N,
+                x_ptr, w_ptr, w_desc, xs_ptr, ws_ptr, sorted_ptr, h_ptr, first, expert, pid_n, num_pairs, N,
                 K, stride_xm, stride_we, stride_wn, stride_xsm, stride_xsk, stride_se, stride_sn,
                 stride_sk, stride_hm, TOP_K, EVEN_K, PRECISION, TAIL_M, BLOCK_N, BLOCK_K, FP8,
-                SCALE_GN, SCALE_GK, PROMOTE,
+                SCALE_GN, SCALE_GK, PROMOTE, TMA,
             )  # fmt: skip
             return
     _gate_up_rows(
-        x_ptr, w_ptr, xs_ptr, ws_ptr, sorted_ptr, h_ptr, first, expert, pid_n, num_pairs, N, K,
+        x_ptr, w_ptr, w_desc, xs_ptr, ws_ptr, sorted_ptr, h_ptr, first, expert, pid_n, num_pairs, N, K,
         stride_xm, stride_we, stride_wn, stride_xsm, stride_xsk, stride_se, stride_sn, stride_sk,
         stride_hm, TOP_K, EVEN_K, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_GN, SCALE_GK,
-        PROMOTE,
+        PROMOTE, TMA,
     )  # fmt: skip
 
 
 @triton.jit
 def _gate_up_rows(
-    x_ptr, w_ptr, xs_ptr, ws_ptr, sorted_ptr, h_ptr, first, expert, pid_n, num_pairs, N, K,
+    x_ptr, w_ptr, w_desc, xs_ptr, ws_ptr, sorted_ptr, h_ptr, first, expert, pid_n, num_pairs, N, K,
     stride_xm, stride_we, stride_wn, stride_xsm, stride_xsk, stride_se, stride_sn, stride_sk,
     stride_hm, TOP_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
-    SCALE_GN: tl.constexpr, SCALE_GK: tl.constexpr, PROMOTE: tl.constexpr,
+    SCALE_GN: tl.constexpr, SCALE_GK: tl.constexpr, PROMOTE: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """`gate_up_kernel`'s tile: rows [first, first + ROWS), columns of tile `pid_n`."""
     rows = first + tl.arange(0, ROWS)
@@ -160,6 +162,7 @@ def _gate_up_rows(
     a_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_xm
     gate_rows = w_ptr + expert.to(tl.int64) * stride_we + rn_in.to(tl.int64)[:, None] * stride_wn
     up_rows = gate_rows + N * stride_wn
+    gate_row = expert * 2 * N + pid_n * BLOCK_N  # in the [E * 2N, K] view TMA reads
     a_scales = xs_ptr + tokens.to(tl.int64) * stride_xsm
     w_scales = ws_ptr + expert.to(tl.int64) * stride_se
     gate_scales = w_scales + (rn_in // SCALE_GN) * stride_sn
@@ -170,8 +173,12 @@ def _gate_up_rows(
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + rk
         a = _load_k(a_rows, ks, K, EVEN_K)
-        g = _load_k(gate_rows, ks, K, EVEN_K)
-        u = _load_k(up_rows, ks, K, EVEN_K)
+        if TMA:
+            g = w_desc.load([gate_row, k0])
+            u = w_desc.load([gate_row + N, k0])
+        else:
+            g = _load_k(gate_rows, ks, K, EVEN_K)
+            u = _load_k(up_rows, ks, K, EVEN_K)
         if FP8:
             gate = _fp8_step(gate, a, g, a_scales, gate_scales, k0, stride_xsk, stride_sk, SCALE_GK, PROMOTE)  # fmt: skip
             up = _fp8_step(up, a, u, a_scales, up_scales, k0, stride_xsk, stride_sk, SCALE_GK, PROMOTE)  # fmt: skip
@@ -188,13 +195,13 @@ def _gate_up_rows(
 
 @triton.jit
 def down_kernel(
-    h_ptr, w_ptr, hs_ptr, ws_ptr, sorted_ptr, block_expert_ptr, weights_ptr, y_ptr,
+    h_ptr, h_desc, w_ptr, w_desc, hs_ptr, ws_ptr, sorted_ptr, block_expert_ptr, weights_ptr, y_ptr,
     num_pairs, blocks_m, N, K, stride_hm, stride_we, stride_wn,
     stride_hsm, stride_hsk, stride_se, stride_sn, stride_sk, stride_ym,
     TOP_K: tl.constexpr, EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr, SCALE_GN: tl.constexpr, SCALE_GK: tl.constexpr, PROMOTE: tl.constexpr,
-    TAIL_M: tl.constexpr = 0, PDL: tl.constexpr = False,
+    TAIL_M: tl.constexpr = 0, TMA: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """y[row, n] = routing weight of the row's pair * (h[row] . w[e, n]), N = H; rows holding
     no pair get 0. TAIL_M as in `gate_up_kernel` (the same blocks take it, so only rows that
@@ -211,37 +218,40 @@ def down_kernel(
         if TAIL_M >= 32:
             if filled <= TAIL_M // 2:
                 _down_rows(
-                    h_ptr, w_ptr, hs_ptr, ws_ptr, sorted_ptr, weights_ptr, y_ptr, first, expert,
+                    h_ptr, h_desc, w_ptr, w_desc, hs_ptr, ws_ptr, sorted_ptr, weights_ptr, y_ptr, first, expert,
                     pid_n, num_pairs, N, K, stride_hm, stride_we, stride_wn, stride_hsm, stride_hsk,
                     stride_se, stride_sn, stride_sk, stride_ym, EVEN_K, PRECISION, TAIL_M // 2,
-                    BLOCK_N, BLOCK_K, FP8, SCALE_GN, SCALE_GK, PROMOTE,
+                    BLOCK_N, BLOCK_K, FP8, SCALE_GN, SCALE_GK, PROMOTE, TMA, False,
                 )  # fmt: skip
                 return
         if filled <= TAIL_M:
             _down_rows(
-                h_ptr, w_ptr, hs_ptr, ws_ptr, sorted_ptr, weights_ptr, y_ptr, first, expert, pid_n,
+                h_ptr, h_desc, w_ptr, w_desc, hs_ptr, ws_ptr, sorted_ptr, weights_ptr, y_ptr, first, expert, pid_n,
                 num_pairs, N, K, stride_hm, stride_we, stride_wn, stride_hsm, stride_hsk, stride_se,
                 stride_sn, stride_sk, stride_ym, EVEN_K, PRECISION, TAIL_M, BLOCK_N, BLOCK_K, FP8,
-                SCALE_GN, SCALE_GK, PROMOTE,
+                SCALE_GN, SCALE_GK, PROMOTE, TMA, False,
             )  # fmt: skip
             return
     _down_rows(
-        h_ptr, w_ptr, hs_ptr, ws_ptr, sorted_ptr, weights_ptr, y_ptr, first, expert, pid_n,
+        h_ptr, h_desc, w_ptr, w_desc, hs_ptr, ws_ptr, sorted_ptr, weights_ptr, y_ptr, first, expert, pid_n,
         num_pairs, N, K, stride_hm, stride_we, stride_wn, stride_hsm, stride_hsk, stride_se,
         stride_sn, stride_sk, stride_ym, EVEN_K, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, FP8,
-        SCALE_GN, SCALE_GK, PROMOTE,
+        SCALE_GN, SCALE_GK, PROMOTE, TMA, TMA,
     )  # fmt: skip
 
 
 @triton.jit
 def _down_rows(
-    h_ptr, w_ptr, hs_ptr, ws_ptr, sorted_ptr, weights_ptr, y_ptr, first, expert, pid_n,
+    h_ptr, h_desc, w_ptr, w_desc, hs_ptr, ws_ptr, sorted_ptr, weights_ptr, y_ptr, first, expert, pid_n,
     num_pairs, N, K, stride_hm, stride_we, stride_wn, stride_hsm, stride_hsk, stride_se,
     stride_sn, stride_sk, stride_ym, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
-    SCALE_GN: tl.constexpr, SCALE_GK: tl.constexpr, PROMOTE: tl.constexpr,
+    SCALE_GN: tl.constexpr, SCALE_GK: tl.constexpr, PROMOTE: tl.constexpr, TMA: tl.constexpr,
+    ROWS_TMA: tl.constexpr,
 ):  # fmt: skip
-    """`down_kernel`'s tile: rows [first, first + ROWS), columns of tile `pid_n`."""
+    """`down_kernel`'s tile: rows [first, first + ROWS), columns of tile `pid_n`; with TMA
+    the weight tiles come through `w_desc`, and with ROWS_TMA (a whole block) the rows of h
+    through `h_desc`."""
     rows = first + tl.arange(0, ROWS)
     pairs = tl.load(sorted_ptr + rows)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -250,12 +260,19 @@ def _down_rows(
     b_rows = w_ptr + expert.to(tl.int64) * stride_we + rn_in.to(tl.int64)[:, None] * stride_wn
     a_scales = hs_ptr + rows.to(tl.int64) * stride_hsm
     b_scales = ws_ptr + expert.to(tl.int64) * stride_se + (rn_in // SCALE_GN) * stride_sn
+    b_row = expert * N + pid_n * BLOCK_N  # in the [E * N, K] view TMA reads
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + rk
-        a = _load_k(a_rows, ks, K, EVEN_K)
-        b = _load_k(b_rows, ks, K, EVEN_K)
+        if ROWS_TMA:
+            a = h_desc.load([first, k0])
+        else:
+            a = _load_k(a_rows, ks, K, EVEN_K)
+        if TMA:
+            b = w_desc.load([b_row, k0])
+        else:
+            b = _load_k(b_rows, ks, K, EVEN_K)
         if FP8:
             acc = _fp8_step(acc, a, b, a_scales, b_scales, k0, stride_hsk, stride_sk, SCALE_GK, PROMOTE)  # fmt: skip
         else:
