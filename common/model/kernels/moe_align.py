@@ -10,9 +10,11 @@ An id outside [0, E) (e.g. -1 for an expert that lives on another rank) drops it
 no row and `pair_rows` holds -1 for it.
 
 One program of `ONE_PROGRAM_WARPS` warps does everything up to `ONE_PROGRAM_PAIRS` pairs
-(decode: one launch); beyond, two launches: per-program expert counts, then per-program
-placement, each placing program summing all the counts itself and writing a share of the
-layout.
+(decode: one launch); beyond, two launches: per-program expert counts (each program also
+fills a share of `sorted_pairs` with the no-pair sentinel), then per-program placement, each
+placing program summing all the counts itself and writing a share of the layout. The fill
+moved out of the placement (it wrote each expert's padding and the tail there) took a 2048-token
+Qwen3-30B-A3B plan from 14.0 to 11.3 us on an H200 (2026-11-26, `docs/benchmarks.md`).
 """
 
 from __future__ import annotations
@@ -111,12 +113,14 @@ def moe_align(
     per = max(PAIRS_PER_PROGRAM, triton.next_power_of_2(triton.cdiv(num_pairs, MAX_PROGRAMS)))
     programs = triton.cdiv(num_pairs, per)
     partial = torch.empty(programs, e_pad, dtype=torch.int32, device=device)
+    fill = triton.cdiv(triton.cdiv(rows, programs), _TILE) * _TILE  # sentinel rows a program
     _count_kernel[(programs,)](
-        ids, partial, num_pairs, per, num_experts, E_PAD=e_pad, SUB=sub, **pdl_args(device)
-    )
+        ids, partial, plan.sorted_pairs, num_pairs, rows, per, fill, num_experts, E_PAD=e_pad,
+        SUB=sub, TILE=_TILE, **pdl_args(device),
+    )  # fmt: skip
     _place_kernel[(programs,)](
-        ids, partial, plan.pair_rows, *layout, rows, num_experts, per, **tiles, SUB=sub,
-        TILE=_TILE, **pdl_args(device),
+        ids, partial, plan.pair_rows, *layout, num_experts, per, **tiles, SUB=sub,
+        **pdl_args(device),
     )  # fmt: skip
     return plan
 
@@ -168,18 +172,19 @@ def _groups(counts, BLOCK_M: tl.constexpr):
 @triton.jit
 def _layout(counts, sorted_ptr, ends_ptr, block_expert_ptr, num_pairs, num_blocks, E,
             part, parts, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BM_PAD: tl.constexpr,
-            BT: tl.constexpr):  # fmt: skip
-    """Writes part `part` of `parts` of the layout: expert_ends (part 0), the padding rows'
-    sentinel (experts e with e % parts == part) and block_expert (every parts-th tile of BT
-    blocks). Returns (first rows [E_PAD], rows in all groups)."""
+            BT: tl.constexpr, PADS: tl.constexpr):  # fmt: skip
+    """Writes part `part` of `parts` of the layout: expert_ends (part 0), with PADS the padding
+    rows' sentinel (experts e with e % parts == part) and block_expert (every parts-th tile of
+    BT blocks). Returns (first rows [E_PAD], rows in all groups)."""
     experts = tl.arange(0, E_PAD)
     starts, padded, ends, total = _groups(counts, BLOCK_M)
     if part == 0:
         tl.store(ends_ptr + experts, ends, mask=experts < E)
-    pads = tl.arange(0, BM_PAD)
-    pad_rows = (starts + counts)[:, None] + pads[None, :]
-    mine = (experts % parts == part)[:, None]
-    tl.store(sorted_ptr + pad_rows, num_pairs, mask=mine & (pads[None, :] < (padded - counts)[:, None]))  # fmt: skip
+    if PADS:
+        pads = tl.arange(0, BM_PAD)
+        pad_rows = (starts + counts)[:, None] + pads[None, :]
+        mine = (experts % parts == part)[:, None]
+        tl.store(sorted_ptr + pad_rows, num_pairs, mask=mine & (pads[None, :] < (padded - counts)[:, None]))  # fmt: skip
     # A block's owner: the first expert whose group ends past its first row (experts >= E
     # count nothing, so their ends equal `total`).
     for b0 in range(part * BT, num_blocks, parts * BT):
@@ -191,7 +196,7 @@ def _layout(counts, sorted_ptr, ends_ptr, block_expert_ptr, num_pairs, num_block
 
 
 @triton.jit
-def _fill_tail(sorted_ptr, lo, hi, step, num_pairs, TILE: tl.constexpr):
+def _fill_sentinel(sorted_ptr, lo, hi, step, num_pairs, TILE: tl.constexpr):
     for start in range(lo, hi, step):
         rows = start + tl.arange(0, TILE)
         tl.store(sorted_ptr + rows, num_pairs, mask=rows < hi)
@@ -205,33 +210,37 @@ def _align_kernel(ids_ptr, pair_rows_ptr, sorted_ptr, ends_ptr, block_expert_ptr
     pdl_prologue(PDL)
     counts = _count_pairs(ids_ptr, 0, num_pairs, E, E_PAD, SUB)
     starts, total = _layout(counts, sorted_ptr, ends_ptr, block_expert_ptr, num_pairs,
-                            num_blocks, E, 0, 1, E_PAD, BLOCK_M, BM_PAD, BT)  # fmt: skip
+                            num_blocks, E, 0, 1, E_PAD, BLOCK_M, BM_PAD, BT, True)  # fmt: skip
     _place_pairs(ids_ptr, sorted_ptr, pair_rows_ptr, 0, num_pairs, E, starts, E_PAD, SUB)
-    _fill_tail(sorted_ptr, total, num_rows, TILE, num_pairs, TILE)
+    _fill_sentinel(sorted_ptr, total, num_rows, TILE, num_pairs, TILE)
 
 
 @triton.jit
-def _count_kernel(ids_ptr, partial_ptr, num_pairs, per_program, E,
-                  E_PAD: tl.constexpr, SUB: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
-    """partial[p] = expert counts of program p's pairs."""
+def _count_kernel(ids_ptr, partial_ptr, sorted_ptr, num_pairs, num_rows, per_program,
+                  fill_per_program, E, E_PAD: tl.constexpr, SUB: tl.constexpr,
+                  TILE: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    """partial[p] = expert counts of program p's pairs; sorted rows [p * fill, (p + 1) * fill)
+    get the no-pair sentinel (the placement overwrites the rows that hold pairs)."""
     pdl_prologue(PDL)
     p = tl.program_id(0)
     lo = p * per_program
     hi = tl.minimum(lo + per_program, num_pairs)
     counts = _count_pairs(ids_ptr, lo, hi, E, E_PAD, SUB)
     tl.store(partial_ptr + p * E_PAD + tl.arange(0, E_PAD), counts)
+    first = p * fill_per_program
+    _fill_sentinel(sorted_ptr, first, tl.minimum(first + fill_per_program, num_rows), TILE,
+               num_pairs, TILE)  # fmt: skip
 
 
 @triton.jit
 def _place_kernel(ids_ptr, partial_ptr, pair_rows_ptr, sorted_ptr, ends_ptr, block_expert_ptr,
-                  num_pairs, num_blocks, num_rows, E, per_program,
+                  num_pairs, num_blocks, E, per_program,
                   E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BM_PAD: tl.constexpr,
-                  BT: tl.constexpr, SUB: tl.constexpr, TILE: tl.constexpr,
-                  PDL: tl.constexpr = False):  # fmt: skip
+                  BT: tl.constexpr, SUB: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """Program p sums every program's counts (a few KB from L2: cheaper than a launch of
-    one program that would hand out the offsets), writes its share of the layout, places
-    its pairs after the earlier programs' pairs of each expert and fills its share of the
-    tail (every P-th tile)."""
+    one program that would hand out the offsets), writes its share of the layout (no padding:
+    `_count_kernel` filled every row) and places its pairs after the earlier programs' pairs
+    of each expert."""
     pdl_prologue(PDL)
     p = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -243,9 +252,8 @@ def _place_kernel(ids_ptr, partial_ptr, pair_rows_ptr, sorted_ptr, ends_ptr, blo
         tile = tl.load(partial_ptr + ps[:, None] * E_PAD + experts[None, :], mask=ps[:, None] < programs, other=0)  # fmt: skip
         counts += tl.sum(tile, axis=0)
         earlier += tl.sum(tl.where(ps[:, None] < p, tile, 0), axis=0)
-    starts, total = _layout(counts, sorted_ptr, ends_ptr, block_expert_ptr, num_pairs,
-                            num_blocks, E, p, programs, E_PAD, BLOCK_M, BM_PAD, BT)  # fmt: skip
+    starts, _ = _layout(counts, sorted_ptr, ends_ptr, block_expert_ptr, num_pairs, num_blocks,
+                        E, p, programs, E_PAD, BLOCK_M, BM_PAD, BT, False)  # fmt: skip
     lo = p * per_program
     hi = tl.minimum(lo + per_program, num_pairs)
     _place_pairs(ids_ptr, sorted_ptr, pair_rows_ptr, lo, hi, E, starts + earlier, E_PAD, SUB)
-    _fill_tail(sorted_ptr, total + p * TILE, num_rows, programs * TILE, num_pairs, TILE)
