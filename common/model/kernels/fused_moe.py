@@ -33,7 +33,11 @@ import functools
 import torch
 import torch.nn.functional as F
 import triton
-from triton.tools.tensor_descriptor import TensorDescriptor
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # a Triton before host-side TMA descriptors (3.3): per-thread loads only
+    TensorDescriptor = None
 
 from common.model import ops
 from common.model.kernels import fused_ops
@@ -304,10 +308,13 @@ def fused_moe_triton(
 
 
 def _tma_checked(tiles: GemmTiles, w: torch.Tensor) -> GemmTiles:
-    """`tiles`, without TMA where it cannot read `w` (and the h rows, as wide as w2's): a GPU
-    older than Hopper, or rows not on 16-byte boundaries. TMA is a speed choice only."""
+    """`tiles`, without TMA where it cannot read `w` (and the h rows, as wide as w2's): a Triton
+    without host descriptors, a GPU older than Hopper, or rows not on 16-byte boundaries. TMA
+    is a speed choice only."""
     if not tiles.tma:
         return tiles
+    if TensorDescriptor is None:
+        return dataclasses.replace(tiles, tma=False)
     old_gpu = w.device.type == "cuda" and torch.cuda.get_device_capability(w.device)[0] < 9
     if old_gpu or (w.shape[2] * w.element_size()) % 16 or w.data_ptr() % 16:
         return dataclasses.replace(tiles, tma=False)
