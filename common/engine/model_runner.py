@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from common.engine.cuda_graphs import DecodeGraphs, Replay
@@ -76,11 +77,23 @@ class HostInputs:
         return len(self.input_ids) == len(self.query_lens) == len(self.logits_indices)
 
 
+# From this many blocks numpy builds a run's slots: on a 2-core CI-like CPU 16 blocks took 31
+# against 10 us, 128 (2048 positions, 16 a block) 185 against 80; 8 blocks 12 against 14.
+NUMPY_SLOTS_MIN_BLOCKS = 16
+
+
 def slots(blocks: list[int], block_size: int, start: int, end: int) -> list[int]:
     """The KV slots of positions [start, end) of a sequence with `blocks`: a block's run of
-    positions at a time (8192 positions: one list per 16, not one expression per position)."""
+    positions at a time (8192 positions: one list per 16, not one expression per position),
+    or for long runs every block's row of slots at once in numpy."""
+    first, last = start // block_size, (end - 1) // block_size
+    if last - first + 1 >= NUMPY_SLOTS_MIN_BLOCKS:
+        rows = np.asarray(blocks[first : last + 1], dtype=np.int64)[:, None] * block_size
+        offset = start - first * block_size
+        flat = (rows + np.arange(block_size)).ravel()
+        return flat[offset : offset + end - start].tolist()
     out: list[int] = []
-    for i in range(start // block_size, (end - 1) // block_size + 1):
+    for i in range(first, last + 1):
         shift = (blocks[i] - i) * block_size  # slot - position, within block i
         out += range(max(start, i * block_size) + shift, min(end, (i + 1) * block_size) + shift)
     return out
