@@ -13,45 +13,18 @@ Prints one line per run; the rows go to sweep_moe_tma.json in the working direct
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 import torch
 
-from common.model.kernels import fused_moe as fm
-from common.model.quantization import fp8_ops
-from common.model.quantization.fp8_experts import ExpertScales
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.moe_sweep_tools import expert_copies, graph_time_us  # noqa: E402
+from common.model.kernels import fused_moe as fm  # noqa: E402
 
 E, K_TOP, H, INTER = 128, 8, 2048, 768
 COPIES = 4
 dev = "cuda"
-
-
-def quantize(w, group):
-    pairs = [
-        fp8_ops.quantize_weight_blocks(one, group) if group else fp8_ops.quantize_per_token(one)
-        for one in w.float()
-    ]
-    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
-
-
-def time_us(fn, reps=20):
-    fn(0)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in range(COPIES):
-            fn(c)
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        for _ in range(reps):
-            g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / reps / COPIES)
-    return sorted(times)[2]
 
 
 def variants(config: fm.MoEConfig) -> dict[str, fm.MoEConfig]:
@@ -75,16 +48,8 @@ def variants(config: fm.MoEConfig) -> dict[str, fm.MoEConfig]:
 def main() -> None:
     sizes = [int(a) for a in sys.argv[1:]] or [2048, 4096, 8192]
     torch.manual_seed(0)
-    bf, fp = [], {"block": [], "row": []}
-    for _ in range(COPIES):
-        w13 = (torch.randn(E, 2 * INTER, H, device=dev) * H**-0.5).bfloat16()
-        w2 = (torch.randn(E, H, INTER, device=dev) * INTER**-0.5).bfloat16()
-        bf.append((w13, w2, None))
-        for name, group in (("block", (128, 128)), ("row", None)):
-            q13, s13 = quantize(w13, group)
-            q2, s2 = quantize(w2, group)
-            gn, gk = group or (1, 0)
-            fp[name].append((q13, q2, ExpertScales(s13, s2, gn, gk)))
+    bf, fp = expert_copies(COPIES, E, H, INTER, dev)
+    bf = [(w13, w2, None) for w13, w2 in bf]
     rows = []
     for tokens in sizes:
         g = torch.Generator().manual_seed(tokens)
@@ -107,7 +72,7 @@ def main() -> None:
 
                 out = call(0).float()
                 ref = out if ref is None else ref
-                us = time_us(call)
+                us = graph_time_us(call, COPIES, reps=20, trials=5)
                 row = dict(
                     tokens=tokens, layout=layout, variant=name, us=round(us, 1),
                     tflops=round(flops / us / 1e6, 1),

@@ -131,24 +131,24 @@ def gate_up_kernel(
                 return
         if filled <= TAIL_M:
             _gate_up_rows(
-                x_ptr, w_ptr, w_desc, xs_ptr, ws_ptr, sorted_ptr, h_ptr, first, expert, pid_n, num_pairs, N,
-                K, stride_xm, stride_we, stride_wn, stride_xsm, stride_xsk, stride_se, stride_sn,
-                stride_sk, stride_hm, TOP_K, EVEN_K, PRECISION, TAIL_M, BLOCK_N, BLOCK_K, FP8,
-                SCALE_GN, SCALE_GK, PROMOTE, TMA,
+                x_ptr, w_ptr, w_desc, xs_ptr, ws_ptr, sorted_ptr, h_ptr, first, expert, pid_n,
+                num_pairs, N, K, stride_xm, stride_we, stride_wn, stride_xsm, stride_xsk,
+                stride_se, stride_sn, stride_sk, stride_hm, TOP_K, EVEN_K, PRECISION, TAIL_M,
+                BLOCK_N, BLOCK_K, FP8, SCALE_GN, SCALE_GK, PROMOTE, TMA,
             )  # fmt: skip
             return
     _gate_up_rows(
-        x_ptr, w_ptr, w_desc, xs_ptr, ws_ptr, sorted_ptr, h_ptr, first, expert, pid_n, num_pairs, N, K,
-        stride_xm, stride_we, stride_wn, stride_xsm, stride_xsk, stride_se, stride_sn, stride_sk,
-        stride_hm, TOP_K, EVEN_K, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_GN, SCALE_GK,
-        PROMOTE, TMA,
+        x_ptr, w_ptr, w_desc, xs_ptr, ws_ptr, sorted_ptr, h_ptr, first, expert, pid_n, num_pairs,
+        N, K, stride_xm, stride_we, stride_wn, stride_xsm, stride_xsk, stride_se, stride_sn,
+        stride_sk, stride_hm, TOP_K, EVEN_K, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_GN,
+        SCALE_GK, PROMOTE, TMA,
     )  # fmt: skip
 
 
 @triton.jit
 def _gate_up_rows(
-    x_ptr, w_ptr, w_desc, xs_ptr, ws_ptr, sorted_ptr, h_ptr, first, expert, pid_n, num_pairs, N, K,
-    stride_xm, stride_we, stride_wn, stride_xsm, stride_xsk, stride_se, stride_sn, stride_sk,
+    x_ptr, w_ptr, w_desc, xs_ptr, ws_ptr, sorted_ptr, h_ptr, first, expert, pid_n, num_pairs, N,
+    K, stride_xm, stride_we, stride_wn, stride_xsm, stride_xsk, stride_se, stride_sn, stride_sk,
     stride_hm, TOP_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
     SCALE_GN: tl.constexpr, SCALE_GK: tl.constexpr, PROMOTE: tl.constexpr, TMA: tl.constexpr,
@@ -195,8 +195,8 @@ def _gate_up_rows(
 
 @triton.jit
 def down_kernel(
-    h_ptr, h_desc, w_ptr, w_desc, hs_ptr, ws_ptr, sorted_ptr, block_expert_ptr, weights_ptr, y_ptr,
-    num_pairs, blocks_m, N, K, stride_hm, stride_we, stride_wn,
+    h_ptr, h_desc, w_ptr, w_desc, hs_ptr, ws_ptr, sorted_ptr, block_expert_ptr, weights_ptr,
+    y_ptr, num_pairs, blocks_m, N, K, stride_hm, stride_we, stride_wn,
     stride_hsm, stride_hsk, stride_se, stride_sn, stride_sk, stride_ym,
     TOP_K: tl.constexpr, EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -218,32 +218,33 @@ def down_kernel(
         if TAIL_M >= 32:
             if filled <= TAIL_M // 2:
                 _down_rows(
-                    h_ptr, h_desc, w_ptr, w_desc, hs_ptr, ws_ptr, sorted_ptr, weights_ptr, y_ptr, first, expert,
-                    pid_n, num_pairs, N, K, stride_hm, stride_we, stride_wn, stride_hsm, stride_hsk,
-                    stride_se, stride_sn, stride_sk, stride_ym, EVEN_K, PRECISION, TAIL_M // 2,
-                    BLOCK_N, BLOCK_K, FP8, SCALE_GN, SCALE_GK, PROMOTE, TMA, False,
+                    h_ptr, h_desc, w_ptr, w_desc, hs_ptr, ws_ptr, sorted_ptr, weights_ptr, y_ptr,
+                    first, expert, pid_n, num_pairs, N, K, stride_hm, stride_we, stride_wn,
+                    stride_hsm, stride_hsk, stride_se, stride_sn, stride_sk, stride_ym, EVEN_K,
+                    PRECISION, TAIL_M // 2, BLOCK_N, BLOCK_K, FP8, SCALE_GN, SCALE_GK, PROMOTE,
+                    TMA, False,
                 )  # fmt: skip
                 return
         if filled <= TAIL_M:
             _down_rows(
-                h_ptr, h_desc, w_ptr, w_desc, hs_ptr, ws_ptr, sorted_ptr, weights_ptr, y_ptr, first, expert, pid_n,
-                num_pairs, N, K, stride_hm, stride_we, stride_wn, stride_hsm, stride_hsk, stride_se,
-                stride_sn, stride_sk, stride_ym, EVEN_K, PRECISION, TAIL_M, BLOCK_N, BLOCK_K, FP8,
-                SCALE_GN, SCALE_GK, PROMOTE, TMA, False,
+                h_ptr, h_desc, w_ptr, w_desc, hs_ptr, ws_ptr, sorted_ptr, weights_ptr, y_ptr,
+                first, expert, pid_n, num_pairs, N, K, stride_hm, stride_we, stride_wn,
+                stride_hsm, stride_hsk, stride_se, stride_sn, stride_sk, stride_ym, EVEN_K,
+                PRECISION, TAIL_M, BLOCK_N, BLOCK_K, FP8, SCALE_GN, SCALE_GK, PROMOTE, TMA, False,
             )  # fmt: skip
             return
     _down_rows(
-        h_ptr, h_desc, w_ptr, w_desc, hs_ptr, ws_ptr, sorted_ptr, weights_ptr, y_ptr, first, expert, pid_n,
-        num_pairs, N, K, stride_hm, stride_we, stride_wn, stride_hsm, stride_hsk, stride_se,
-        stride_sn, stride_sk, stride_ym, EVEN_K, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, FP8,
-        SCALE_GN, SCALE_GK, PROMOTE, TMA, TMA,
+        h_ptr, h_desc, w_ptr, w_desc, hs_ptr, ws_ptr, sorted_ptr, weights_ptr, y_ptr, first,
+        expert, pid_n, num_pairs, N, K, stride_hm, stride_we, stride_wn, stride_hsm, stride_hsk,
+        stride_se, stride_sn, stride_sk, stride_ym, EVEN_K, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+        FP8, SCALE_GN, SCALE_GK, PROMOTE, TMA, TMA,
     )  # fmt: skip
 
 
 @triton.jit
 def _down_rows(
-    h_ptr, h_desc, w_ptr, w_desc, hs_ptr, ws_ptr, sorted_ptr, weights_ptr, y_ptr, first, expert, pid_n,
-    num_pairs, N, K, stride_hm, stride_we, stride_wn, stride_hsm, stride_hsk, stride_se,
+    h_ptr, h_desc, w_ptr, w_desc, hs_ptr, ws_ptr, sorted_ptr, weights_ptr, y_ptr, first, expert,
+    pid_n, num_pairs, N, K, stride_hm, stride_we, stride_wn, stride_hsm, stride_hsk, stride_se,
     stride_sn, stride_sk, stride_ym, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
     SCALE_GN: tl.constexpr, SCALE_GK: tl.constexpr, PROMOTE: tl.constexpr, TMA: tl.constexpr,

@@ -173,18 +173,17 @@ def _groups(counts, BLOCK_M: tl.constexpr):
 def _layout(counts, sorted_ptr, ends_ptr, block_expert_ptr, num_pairs, num_blocks, E,
             part, parts, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BM_PAD: tl.constexpr,
             BT: tl.constexpr, PADS: tl.constexpr):  # fmt: skip
-    """Writes part `part` of `parts` of the layout: expert_ends (part 0), with PADS the padding
-    rows' sentinel (experts e with e % parts == part) and block_expert (every parts-th tile of
-    BT blocks). Returns (first rows [E_PAD], rows in all groups)."""
+    """Writes part `part` of `parts` of the layout: expert_ends (part 0), with PADS (one part:
+    the one-program plan) every expert's padding rows' sentinel, and block_expert (every
+    parts-th tile of BT blocks). Returns (first rows [E_PAD], rows in all groups)."""
     experts = tl.arange(0, E_PAD)
     starts, padded, ends, total = _groups(counts, BLOCK_M)
     if part == 0:
         tl.store(ends_ptr + experts, ends, mask=experts < E)
     if PADS:
-        pads = tl.arange(0, BM_PAD)
-        pad_rows = (starts + counts)[:, None] + pads[None, :]
-        mine = (experts % parts == part)[:, None]
-        tl.store(sorted_ptr + pad_rows, num_pairs, mask=mine & (pads[None, :] < (padded - counts)[:, None]))  # fmt: skip
+        pads = tl.arange(0, BM_PAD)[None, :]
+        pad_rows = (starts + counts)[:, None] + pads
+        tl.store(sorted_ptr + pad_rows, num_pairs, mask=pads < (padded - counts)[:, None])
     # A block's owner: the first expert whose group ends past its first row (experts >= E
     # count nothing, so their ends equal `total`).
     for b0 in range(part * BT, num_blocks, parts * BT):
