@@ -182,7 +182,7 @@ class Candidate:
     m_range: tuple[int, int] = ALL_M  # timed only for M in this closed range
 
 
-def candidates(sweep: bool) -> dict[str, Candidate]:
+def candidates(sweep: list[tuple[str, object, tuple[int, int]]]) -> dict[str, Candidate]:
     from common.model.kernels import fp8_gemm_kernels as kern
     from common.model.quantization import fp8_gemm as gemm
 
@@ -220,7 +220,7 @@ def candidates(sweep: bool) -> dict[str, Candidate]:
         "block_disp": Candidate(block_scaled_mm(gemm.block_fp8_linear_cuda), ref_block),
     }
     table.update(quantization_candidates(channel, ref_channel))
-    for label, config, m_range in sweep_configs() if sweep else []:
+    for label, config, m_range in sweep:
         chan = functools.partial(kern.w8a8_channel_mm, config=config)
         table[f"chan[{label}]"] = Candidate(channel(chan), ref_channel, m_range)
         block = triton_block(kern.w8a8_block_mm, config)
@@ -318,6 +318,45 @@ def sweep_configs() -> list[tuple[str, object, tuple[int, int]]]:
         ("128x256 k128 w8 s3", T(128, 256, 128, 8, 3, False)),
     ]
     return [(*c, (1, 128)) for c in decode] + [(*c, (64, 2048)) for c in prefill]
+
+
+def tma_sweep_configs() -> list[tuple[str, object, tuple[int, int]]]:
+    """Decode tiles (M <= 32, operands swapped) reading the weights through TMA, against the
+    table's per-thread loads, with split-K left to `split_k_for` or fixed (sN): at M = 1 a
+    gate_up of 592 64-row tiles fills 132 SMs in uneven waves unless K is split."""
+    from common.model.kernels.fp8_gemm_kernels import TileConfig as T
+
+    def t(bm, bn, bk, warps, stages, split=0, tma=True):
+        return T(bm, bn, bk, warps, stages, True, split, tma=tma)
+
+    configs = [
+        ("16x64 k256 w4 s4", t(16, 64, 256, 4, 4, tma=False)),
+        ("16x128 k256 w4 s3", t(16, 128, 256, 4, 3, tma=False)),
+        ("16x64 k256 w4 s4 tma", t(16, 64, 256, 4, 4)),
+        ("16x64 k256 w4 s6 tma", t(16, 64, 256, 4, 6)),
+        ("16x64 k128 w4 s8 tma", t(16, 64, 128, 4, 8)),
+        ("16x128 k256 w4 s3 tma", t(16, 128, 256, 4, 3)),
+        ("16x128 k256 w4 s4 tma", t(16, 128, 256, 4, 4)),
+        ("16x128 k128 w4 s6 tma", t(16, 128, 128, 4, 6)),
+        ("16x256 k128 w8 s4 tma", t(16, 256, 128, 8, 4)),
+        ("16x64 k256 w4 s4 tma s1", t(16, 64, 256, 4, 4, 1)),
+        ("16x64 k256 w4 s4 tma s2", t(16, 64, 256, 4, 4, 2)),
+        ("16x64 k256 w4 s4 tma s4", t(16, 64, 256, 4, 4, 4)),
+        ("16x128 k256 w4 s4 tma s2", t(16, 128, 256, 4, 4, 2)),
+        ("16x128 k256 w4 s4 tma s4", t(16, 128, 256, 4, 4, 4)),
+        ("32x64 k256 w4 s4 tma", t(32, 64, 256, 4, 4)),
+        ("32x128 k256 w4 s3 tma", t(32, 128, 256, 4, 3)),
+    ]
+    wider = [  # the 33-128 row buckets: 64-row tiles, swapped or not
+        ("64x64 k128 w4 s4 swap", T(64, 64, 128, 4, 4, True)),
+        ("64x64 k128 w4 s4", T(64, 64, 128, 4, 4, False)),
+        ("64x64 k128 w4 s4 swap tma", T(64, 64, 128, 4, 4, True, tma=True)),
+        ("64x64 k256 w4 s3 swap tma", T(64, 64, 256, 4, 3, True, tma=True)),
+        ("64x64 k128 w4 s4 tma", T(64, 64, 128, 4, 4, False, tma=True)),
+        ("64x128 k128 w4 s4 tma", T(64, 128, 128, 4, 4, False, tma=True)),
+        ("64x128 k256 w8 s3 tma", T(64, 128, 256, 8, 3, False, tma=True)),
+    ]
+    return [(*c, (1, 32)) for c in configs] + [(*c, (33, 128)) for c in wider]
 
 
 def block_scaled_mm(fn) -> Run:
@@ -502,6 +541,9 @@ def main() -> int:
     ap.add_argument("--tol", type=float, default=1e-2, help="max |out - ref| / max |ref|")
     ap.add_argument("--rounds", type=int, default=2, help="passes over the candidates")
     ap.add_argument("--sweep", action="store_true", help="also Triton tile-config variants")
+    ap.add_argument(
+        "--tma-sweep", action="store_true", help="also decode tiles with TMA and fixed splits"
+    )
     ap.add_argument("--only", help="regex: time only the candidates it matches (bf16 is kept)")
     ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET, tiny shapes")
     ap.add_argument("--out", type=Path, default=Path("fp8_linear.json"))
@@ -518,7 +560,10 @@ def main() -> int:
     reps = 1 if args.smoke else args.reps
     cuda = device.type == "cuda"
     l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size if cuda else 0
-    cands = candidates(args.sweep)
+    sweep = (sweep_configs() if args.sweep else []) + (
+        tma_sweep_configs() if args.tma_sweep else []
+    )
+    cands = candidates(sweep)
     if args.only:
         cands = {n: c for n, c in cands.items() if n == "bf16" or re.search(args.only, n)}
     names = list(cands)

@@ -41,6 +41,8 @@ TOL = {torch.float32: dict(rtol=F32_TOL, atol=F32_TOL), torch.bfloat16: dict(rto
 SWAP_SPLIT = TileConfig(16, 32, 64, 4, 2, True, split_k=3)
 PLAIN_SPLIT = TileConfig(16, 64, 64, 4, 2, False, split_k=2)
 WIDE = TileConfig(32, 32, 64, 4, 2, False, split_k=1)
+TMA_SWAP = TileConfig(16, 32, 64, 4, 2, True, split_k=2, tma=True)
+TMA_PLAIN = TileConfig(16, 64, 64, 4, 2, False, split_k=1, tma=True)
 
 
 def operands(m: int, n: int, k: int, bias: bool):
@@ -76,7 +78,8 @@ def assert_matches(out, ref, dtype):
 
 
 # (M, N, K, bias, out dtype, config): M = 1, N and K off every tile (a partial last K group),
-# both operand orders, split K, rows past M and N in a tile.
+# both operand orders, split K, rows past M and N in a tile; b through TMA (rows past N and
+# columns past K zero-filled by the copy), and a K whose rows are off 16 bytes, which falls back.
 CASES = [
     (1, 70, 300, True, torch.float32, None),
     (1, 96, 256, False, torch.bfloat16, None),
@@ -84,7 +87,17 @@ CASES = [
     (17, 40, 384, False, torch.bfloat16, PLAIN_SPLIT),
     (33, 72, 136, True, torch.float32, WIDE),
     (70, 50, 128, False, torch.float32, None),
+    (1, 70, 304, True, torch.float32, TMA_SWAP),
+    (5, 130, 208, False, torch.bfloat16, TMA_PLAIN),
+    (3, 40, 300, True, torch.float32, TMA_SWAP),
 ]
+
+
+def test_tma_is_taken_only_where_the_rows_allow_it():
+    wq = torch.zeros(8, 304, dtype=kern.FP8, device=DEVICE)
+    assert kern._tma_ok(TMA_SWAP, wq) == (kern.TensorDescriptor is not None)
+    assert not kern._tma_ok(TMA_SWAP, torch.zeros(8, 300, dtype=kern.FP8, device=DEVICE))
+    assert not kern._tma_ok(SWAP_SPLIT, wq)
 
 
 @pytest.mark.parametrize("m,n,k,bias,dtype,config", CASES)

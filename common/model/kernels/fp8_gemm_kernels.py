@@ -28,6 +28,11 @@ import triton.language as tl
 
 from common.model.kernels.pdl import pdl_args, pdl_prologue
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # a Triton before host-side TMA descriptors (3.3): per-thread loads only
+    TensorDescriptor = None
+
 FP8 = torch.float8_e4m3fn
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GROUP_M = 8  # output tiles walked in groups of 8 row tiles, so neighbours share b in L2
@@ -45,13 +50,21 @@ class TileConfig:
     # K columns summed in the tensor cores' reduced FP8 accumulator before each fp32 add:
     # Hopper keeps ~14 bits there, so whole-K accumulation drifts ~1% at K = 18944.
     promote_k: int = 128
+    # b's tiles through a TMA descriptor (one thread issues each tile's copy into shared
+    # memory) instead of per-thread loads: Hopper on, and the interpreter; a speed choice only.
+    tma: bool = False
 
 
 # By M bucket (the key is its largest M), from benchmarks/bench_fp8_linear.py --sweep on one
-# H200 over the Qwen2.5-7B and Qwen3-8B linears (graph-replayed GEMM time).
+# H200 over the Qwen2.5-7B and Qwen3-8B linears (graph-replayed GEMM time). Weights through
+# TMA where `--tma-sweep` (2026-11-26, both models, every linear of a step) measured it
+# faster and the decode node loop agreed: per channel 1-2% at M = 32 (the loop at batch 32: 3%),
+# block-scaled 4-6% at M <= 2 and 14% at 32 (the loop at batch 1 and 32: 4% and 8%). At M = 1
+# per channel (1.5-2% here, 1.7% slower in the loop) and block-scaled at 64 (9-10% here, no
+# change in the loop) TMA is not taken; elsewhere it moved a step by less than 1%.
 CHANNEL_CONFIGS: tuple[tuple[int, TileConfig], ...] = (
     (16, TileConfig(16, 64, 256, 4, 4, True)),
-    (32, TileConfig(32, 64, 256, 4, 4, True)),
+    (32, TileConfig(32, 64, 256, 4, 4, True, tma=True)),
     (64, TileConfig(64, 64, 128, 4, 4, True)),
     (128, TileConfig(64, 64, 128, 4, 4, False)),
     (512, TileConfig(64, 128, 128, 4, 3, False)),
@@ -64,9 +77,9 @@ CHANNEL_CONFIGS: tuple[tuple[int, TileConfig], ...] = (
 # program on the MMA's M side, 3.10 ms a step against 3.28 for the M <= 16 tiles (which win
 # at M = 8: 2.88 against 3.02); the decode node loop at batch 1, 4.58 against 4.76 ms.
 BLOCK_CONFIGS: tuple[tuple[int, TileConfig], ...] = (
-    (1, TileConfig(16, 128, 256, 4, 3, True)),
+    (2, TileConfig(16, 128, 256, 4, 3, True, tma=True)),
     (16, TileConfig(16, 64, 256, 4, 4, False)),
-    (32, TileConfig(32, 64, 256, 4, 4, True)),
+    (32, TileConfig(32, 64, 256, 4, 4, True, tma=True)),
     (64, TileConfig(64, 64, 128, 4, 4, True)),
     (1 << 62, TileConfig(64, 128, 128, 4, 3, False)),
 )
@@ -98,14 +111,32 @@ def split_k_for(m: int, n: int, k: int, config: TileConfig, sms: int) -> int:
 
 
 @triton.jit
-def _group_dot(a_rows, b_rows, ks, K, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, PROMOTE_K):
-    """A fresh fp32 product of one K group: [BLOCK_M, BLOCK_N], or its transpose if SWAP_AB."""
+def _load_k(rows, ks, K, EVEN_K: tl.constexpr):
+    """rows[:, ks]: zeros past K."""
     if EVEN_K:
-        a = tl.load(a_rows + ks[None, :])
-        b = tl.load(b_rows + ks[None, :])
+        tile = tl.load(rows + ks[None, :])
     else:
-        a = tl.load(a_rows + ks[None, :], mask=ks[None, :] < K, other=0.0)
-        b = tl.load(b_rows + ks[None, :], mask=ks[None, :] < K, other=0.0)
+        tile = tl.load(rows + ks[None, :], mask=ks[None, :] < K, other=0.0)
+    return tile
+
+
+@triton.jit
+def _load_b(b_rows, b_desc, b_row, k0, rk, K, EVEN_K: tl.constexpr, TMA: tl.constexpr):
+    """b's [BLOCK_N, BLOCK_K] tile at columns k0 + rk: through the descriptor (rows from
+    `b_row`; TMA fills zeros past N and K) or per-thread loads of `b_rows`."""
+    if TMA:
+        tile = b_desc.load([b_row, k0])
+    else:
+        tile = _load_k(b_rows, k0 + rk, K, EVEN_K)
+    return tile
+
+
+@triton.jit
+def _group_dot(a_rows, b_rows, b_desc, b_row, k0, rk, K, EVEN_K: tl.constexpr,
+               SWAP_AB: tl.constexpr, PROMOTE_K, TMA: tl.constexpr):  # fmt: skip
+    """A fresh fp32 product of one K group: [BLOCK_M, BLOCK_N], or its transpose if SWAP_AB."""
+    a = _load_k(a_rows, k0 + rk, K, EVEN_K)
+    b = _load_b(b_rows, b_desc, b_row, k0, rk, K, EVEN_K, TMA)
     # One return: Triton checks every return's type, constexpr branches included.
     if SWAP_AB:
         product = tl.dot(b, tl.trans(a), max_num_imprecise_acc=PROMOTE_K)
@@ -132,20 +163,21 @@ def _group_scales(a_scale_ptr, b_scale_ptr, rm, rn, kg, kb, stride_sam, stride_s
 
 @triton.jit
 def _w8a8_kernel(
-    a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr,
+    a_ptr, b_ptr, b_desc, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr,
     M, N, K, k_iters_per_split,
     stride_am, stride_bn, stride_sam, stride_sak, stride_sbn, stride_sbk, stride_os, stride_om,
     BLOCK_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr,
     EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr, PROMOTE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr = False,
+    TMA: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program (tile, split): K iterations [split * per, (split + 1) * per) of one output tile,
     each GROUPS * BLOCK_K columns (block-scaled: GROUPS scale groups of BLOCK_K, their products
     issued before either is scaled, so the MMAs overlap). With one split `out` is the result
     (scaled, bias added, cast); else a float32 [S, M, N] workspace of scaled partials, bias
     left to the epilogue. PROMOTE_K: K columns the tensor cores accumulate in their reduced
-    FP8 precision before the sum joins the fp32 accumulator (DeepSeek-V3's promotion)."""
+    FP8 precision before the sum joins the fp32 accumulator (DeepSeek-V3's promotion). TMA:
+    b's tiles come through `b_desc` (b itself, unread, stands in without it)."""
     pdl_prologue(PDL)
     pid, split = tl.program_id(0), tl.program_id(1)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -169,14 +201,18 @@ def _w8a8_kernel(
     kb = tl.cdiv(K, BLOCK_K)
     k_lo = split * k_iters_per_split
     k_hi = tl.minimum(k_lo + k_iters_per_split, tl.cdiv(K, GROUPS * BLOCK_K))
+    b_row = pid_n * BLOCK_N  # the tile's first row, where TMA reads
     for it in range(k_lo, k_hi):
         kg = it * GROUPS
         if BLOCK_SCALED:
-            p0 = _group_dot(a_rows, b_rows, kg * BLOCK_K + rk, K, EVEN_K, SWAP_AB, PROMOTE_K)
+            p0 = _group_dot(
+                a_rows, b_rows, b_desc, b_row, kg * BLOCK_K, rk, K, EVEN_K, SWAP_AB, PROMOTE_K, TMA
+            )
             if GROUPS == 2:
                 p1 = _group_dot(
-                    a_rows, b_rows, (kg + 1) * BLOCK_K + rk, K, EVEN_K, SWAP_AB, PROMOTE_K
-                )
+                    a_rows, b_rows, b_desc, b_row, (kg + 1) * BLOCK_K, rk, K,
+                    EVEN_K, SWAP_AB, PROMOTE_K, TMA,
+                )  # fmt: skip
             acc += p0 * _group_scales(
                 a_scale_ptr, b_scale_ptr, rm_in, rn_in, kg, kb,
                 stride_sam, stride_sak, stride_sbn, stride_sbk, EVEN_K, SWAP_AB,
@@ -187,13 +223,8 @@ def _w8a8_kernel(
                     stride_sam, stride_sak, stride_sbn, stride_sbk, EVEN_K, SWAP_AB,
                 )  # fmt: skip
         else:
-            ks = kg * BLOCK_K + rk
-            if EVEN_K:
-                a = tl.load(a_rows + ks[None, :])
-                b = tl.load(b_rows + ks[None, :])
-            else:
-                a = tl.load(a_rows + ks[None, :], mask=ks[None, :] < K, other=0.0)
-                b = tl.load(b_rows + ks[None, :], mask=ks[None, :] < K, other=0.0)
+            a = _load_k(a_rows, kg * BLOCK_K + rk, K, EVEN_K)
+            b = _load_b(b_rows, b_desc, b_row, kg * BLOCK_K, rk, K, EVEN_K, TMA)
             if SWAP_AB:
                 acc = tl.dot(b, tl.trans(a), acc, max_num_imprecise_acc=PROMOTE_K)
             else:
@@ -374,19 +405,31 @@ def _launch(a, a_scale, b, b_scale, scale_strides, groups, out_dtype, bias, conf
     target = out if splits == 1 else torch.empty(splits, m, n, device=a.device)
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     block_k = config.block_k // max(groups, 1)  # one dot's K
+    tma = _tma_ok(config, b)
+    b_desc = TensorDescriptor.from_tensor(b, [config.block_n, block_k]) if tma else b
     _w8a8_kernel[(tiles, splits)](
-        a, b, a_scale, b_scale, bias if bias is not None and splits == 1 else out, target,
+        a, b, b_desc, a_scale, b_scale, bias if bias is not None and splits == 1 else out, target,
         m, n, k, per_split,
         a.stride(0), b.stride(0), *scale_strides, m * n, n,
         BLOCK_SCALED=groups > 0, HAS_BIAS=bias is not None and splits == 1,
         SWAP_AB=config.swap_ab, EVEN_K=k % config.block_k == 0, GROUP_M=GROUP_M,
         GROUPS=max(groups, 1), PROMOTE_K=min(config.promote_k, block_k),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, TMA=tma,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(a.device),
     )  # fmt: skip
     if splits > 1:
         _run_epilogue(target, None, bias, out)
     return out
+
+
+def _tma_ok(config: TileConfig, b: torch.Tensor) -> bool:
+    """Whether b's tiles can come through TMA: asked for, a Triton with host descriptors, a
+    Hopper or later GPU (or the interpreter on a CPU), and rows on 16-byte boundaries."""
+    if not config.tma or TensorDescriptor is None:
+        return False
+    if b.device.type == "cuda" and torch.cuda.get_device_capability(b.device)[0] < 9:
+        return False
+    return b.stride(0) % 16 == 0 and b.data_ptr() % 16 == 0
 
 
 def _run_epilogue(src, scales, bias, out) -> None:
