@@ -321,9 +321,10 @@ def sweep_configs() -> list[tuple[str, object, tuple[int, int]]]:
 
 
 def tma_sweep_configs() -> list[tuple[str, object, tuple[int, int]]]:
-    """Decode tiles (M <= 32, operands swapped) reading the weights through TMA, against the
-    table's per-thread loads, with split-K left to `split_k_for` or fixed (sN): at M = 1 a
-    gate_up of 592 64-row tiles fills 132 SMs in uneven waves unless K is split."""
+    """Decode tiles reading the weights through TMA, against the table's per-thread loads:
+    for M <= 32 with the operands swapped, split-K left to `split_k_for` or fixed (sN; at M = 1
+    a gate_up of 592 64-row tiles fills 132 SMs in uneven waves unless K is split); for the
+    33-128 buckets 64-row tiles, swapped or not."""
     from common.model.kernels.fp8_gemm_kernels import TileConfig as T
 
     def t(bm, bn, bk, warps, stages, split=0, tma=True):

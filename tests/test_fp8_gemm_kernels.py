@@ -25,7 +25,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from common.model.kernels import fp8_gemm_kernels as kern  # noqa: E402
-from common.model.kernels import fp8_quant, fused_ops  # noqa: E402
+from common.model.kernels import fp8_quant, fused_ops, tma  # noqa: E402
 from common.model.kernels.fp8_gemm_kernels import TileConfig  # noqa: E402
 from common.model.quantization import fp8_gemm  # noqa: E402
 from common.model.quantization import fp8_ops as ops  # noqa: E402
@@ -93,11 +93,12 @@ CASES = [
 ]
 
 
-def test_tma_is_taken_only_where_the_rows_allow_it():
+def test_tma_reads_only_rows_on_16_byte_boundaries():
+    hopper = not CUDA or torch.cuda.get_device_capability()[0] >= 9
     wq = torch.zeros(8, 304, dtype=kern.FP8, device=DEVICE)
-    assert kern._tma_ok(TMA_SWAP, wq) == (kern.TensorDescriptor is not None)
-    assert not kern._tma_ok(TMA_SWAP, torch.zeros(8, 300, dtype=kern.FP8, device=DEVICE))
-    assert not kern._tma_ok(SWAP_SPLIT, wq)
+    assert tma.rows_fit(wq) == (tma.TensorDescriptor is not None and hopper)
+    assert not tma.rows_fit(torch.zeros(8, 300, dtype=kern.FP8, device=DEVICE))
+    assert not tma.rows_fit(wq[:, 1:])  # the base off 16 bytes
 
 
 @pytest.mark.parametrize("m,n,k,bias,dtype,config", CASES)

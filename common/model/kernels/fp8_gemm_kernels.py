@@ -26,12 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.model.kernels import tma
 from common.model.kernels.pdl import pdl_args, pdl_prologue
-
-try:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # a Triton before host-side TMA descriptors (3.3): per-thread loads only
-    TensorDescriptor = None
 
 FP8 = torch.float8_e4m3fn
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -50,8 +46,7 @@ class TileConfig:
     # K columns summed in the tensor cores' reduced FP8 accumulator before each fp32 add:
     # Hopper keeps ~14 bits there, so whole-K accumulation drifts ~1% at K = 18944.
     promote_k: int = 128
-    # b's tiles through a TMA descriptor (one thread issues each tile's copy into shared
-    # memory) instead of per-thread loads: Hopper on, and the interpreter; a speed choice only.
+    # b's tiles through a TMA descriptor instead of per-thread loads, where `tma.rows_fit`.
     tma: bool = False
 
 
@@ -405,8 +400,8 @@ def _launch(a, a_scale, b, b_scale, scale_strides, groups, out_dtype, bias, conf
     target = out if splits == 1 else torch.empty(splits, m, n, device=a.device)
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     block_k = config.block_k // max(groups, 1)  # one dot's K
-    tma = _tma_ok(config, b)
-    b_desc = TensorDescriptor.from_tensor(b, [config.block_n, block_k]) if tma else b
+    through_tma = config.tma and tma.rows_fit(b)
+    b_desc = tma.tiles(b, [config.block_n, block_k]) if through_tma else b
     _w8a8_kernel[(tiles, splits)](
         a, b, b_desc, a_scale, b_scale, bias if bias is not None and splits == 1 else out, target,
         m, n, k, per_split,
@@ -414,22 +409,12 @@ def _launch(a, a_scale, b, b_scale, scale_strides, groups, out_dtype, bias, conf
         BLOCK_SCALED=groups > 0, HAS_BIAS=bias is not None and splits == 1,
         SWAP_AB=config.swap_ab, EVEN_K=k % config.block_k == 0, GROUP_M=GROUP_M,
         GROUPS=max(groups, 1), PROMOTE_K=min(config.promote_k, block_k),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, TMA=tma,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, TMA=through_tma,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(a.device),
     )  # fmt: skip
     if splits > 1:
         _run_epilogue(target, None, bias, out)
     return out
-
-
-def _tma_ok(config: TileConfig, b: torch.Tensor) -> bool:
-    """Whether b's tiles can come through TMA: asked for, a Triton with host descriptors, a
-    Hopper or later GPU (or the interpreter on a CPU), and rows on 16-byte boundaries."""
-    if not config.tma or TensorDescriptor is None:
-        return False
-    if b.device.type == "cuda" and torch.cuda.get_device_capability(b.device)[0] < 9:
-        return False
-    return b.stride(0) % 16 == 0 and b.data_ptr() % 16 == 0
 
 
 def _run_epilogue(src, scales, bias, out) -> None:

@@ -34,13 +34,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-try:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # a Triton before host-side TMA descriptors (3.3): per-thread loads only
-    TensorDescriptor = None
-
 from common.model import ops
-from common.model.kernels import fused_ops
+from common.model.kernels import fused_ops, tma
 from common.model.kernels.fused_moe_gemv import (
     GEMV_CONFIG,
     GemvConfig,
@@ -293,7 +288,7 @@ def fused_moe_triton(
         ha = ops.quantize_fp8(h, quant)
         h, h_scale = ha.data, ha.scale
     t2 = _tma_checked(config.down, w2)
-    h_tiles = TensorDescriptor.from_tensor(h, [config.block_m, t2.block_k]) if t2.tma else h
+    h_tiles = tma.tiles(h, [config.block_m, t2.block_k]) if t2.tma else h
     down_kernel[(blocks * triton.cdiv(hidden, t2.block_n),)](
         h, h_tiles, w2, _weight_tiles(w2, t2), h_scale, s2, plan.sorted_pairs, plan.block_expert,
         topk_weights.contiguous(), y, plan.num_pairs, blocks, hidden, inter,
@@ -308,15 +303,9 @@ def fused_moe_triton(
 
 
 def _tma_checked(tiles: GemmTiles, w: torch.Tensor) -> GemmTiles:
-    """`tiles`, without TMA where it cannot read `w` (and the h rows, as wide as w2's): a Triton
-    without host descriptors, a GPU older than Hopper, or rows not on 16-byte boundaries. TMA
-    is a speed choice only."""
-    if not tiles.tma:
-        return tiles
-    if TensorDescriptor is None:
-        return dataclasses.replace(tiles, tma=False)
-    old_gpu = w.device.type == "cuda" and torch.cuda.get_device_capability(w.device)[0] < 9
-    if old_gpu or (w.shape[2] * w.element_size()) % 16 or w.data_ptr() % 16:
+    """`tiles`, without TMA where it cannot read `w` (and the h rows, as wide as w2's):
+    `tma.rows_fit`."""
+    if tiles.tma and not tma.rows_fit(w):
         return dataclasses.replace(tiles, tma=False)
     return tiles
 
@@ -327,7 +316,7 @@ def _weight_tiles(w: torch.Tensor, tiles: GemmTiles):
     the next expert's (or zeros past the end): those columns are never stored."""
     if not tiles.tma:
         return w
-    return TensorDescriptor.from_tensor(w.view(-1, w.shape[2]), [tiles.block_n, tiles.block_k])
+    return tma.tiles(w.view(-1, w.shape[2]), [tiles.block_n, tiles.block_k])
 
 
 def _within_scale_blocks(config: MoEConfig, group: int) -> MoEConfig:
