@@ -30,14 +30,13 @@ import torch
 from common.engine.cuda_graphs import STAGING_DEPTH, Replay, StagingRing, carry_buffers
 from common.engine.kv_cache import KVCache
 from common.model.attention import AttentionBackend, AttentionMetadata, ForwardContext
-from common.model.attention.base import LatentProjection
+from common.model.attention.base import LatentProjection, Projector
 from common.model.graph_capture import recording_graphs
 from common.model.registry import CausalLM
 
 log = logging.getLogger(__name__)
 
 LayerHook = Callable[[int], None]
-Projector = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]  # attended, out -> out
 
 
 def token_buckets(max_tokens: int) -> list[int]:

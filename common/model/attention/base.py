@@ -35,6 +35,9 @@ import torch
 # `mla_prefill.AUTO_DECOMPRESS`). Decode-only steps always run absorbed. `EngineConfig` lists
 # the same names (torch-free, it cannot import this module).
 MLA_PREFILL_MODES = ("auto", "absorbed", "decompressed")
+# A layer's output projection: (attended, out or None) -> the projection, written into `out`
+# when one is given (`ForwardContext.attention_projected`).
+Projector = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 def check_mla_prefill(mode: str) -> str:
@@ -287,7 +290,7 @@ class ForwardContext:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        project: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+        project: Projector,
     ) -> torch.Tensor:
         """`attention`, then the layer's output projection `project(attended, out)`. The
         prefill graphs (`prefill_graphs._Boundary`) run the projection eagerly with the

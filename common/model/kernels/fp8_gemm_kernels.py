@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from common.model.kernels import tma
+from common.model.kernels.loads import load_k
 from common.model.kernels.pdl import pdl_args, pdl_prologue
 
 FP8 = torch.float8_e4m3fn
@@ -106,23 +107,13 @@ def split_k_for(m: int, n: int, k: int, config: TileConfig, sms: int) -> int:
 
 
 @triton.jit
-def _load_k(rows, ks, K, EVEN_K: tl.constexpr):
-    """rows[:, ks]: zeros past K."""
-    if EVEN_K:
-        tile = tl.load(rows + ks[None, :])
-    else:
-        tile = tl.load(rows + ks[None, :], mask=ks[None, :] < K, other=0.0)
-    return tile
-
-
-@triton.jit
 def _load_b(b_rows, b_desc, b_row, k0, rk, K, EVEN_K: tl.constexpr, TMA: tl.constexpr):
     """b's [BLOCK_N, BLOCK_K] tile at columns k0 + rk: through the descriptor (rows from
     `b_row`; TMA fills zeros past N and K) or per-thread loads of `b_rows`."""
     if TMA:
         tile = b_desc.load([b_row, k0])
     else:
-        tile = _load_k(b_rows, k0 + rk, K, EVEN_K)
+        tile = load_k(b_rows, k0 + rk, K, EVEN_K)
     return tile
 
 
@@ -130,7 +121,7 @@ def _load_b(b_rows, b_desc, b_row, k0, rk, K, EVEN_K: tl.constexpr, TMA: tl.cons
 def _group_dot(a_rows, b_rows, b_desc, b_row, k0, rk, K, EVEN_K: tl.constexpr,
                SWAP_AB: tl.constexpr, PROMOTE_K, TMA: tl.constexpr):  # fmt: skip
     """A fresh fp32 product of one K group: [BLOCK_M, BLOCK_N], or its transpose if SWAP_AB."""
-    a = _load_k(a_rows, k0 + rk, K, EVEN_K)
+    a = load_k(a_rows, k0 + rk, K, EVEN_K)
     b = _load_b(b_rows, b_desc, b_row, k0, rk, K, EVEN_K, TMA)
     # One return: Triton checks every return's type, constexpr branches included.
     if SWAP_AB:
@@ -218,7 +209,7 @@ def _w8a8_kernel(
                     stride_sam, stride_sak, stride_sbn, stride_sbk, EVEN_K, SWAP_AB,
                 )  # fmt: skip
         else:
-            a = _load_k(a_rows, kg * BLOCK_K + rk, K, EVEN_K)
+            a = load_k(a_rows, kg * BLOCK_K + rk, K, EVEN_K)
             b = _load_b(b_rows, b_desc, b_row, kg * BLOCK_K, rk, K, EVEN_K, TMA)
             if SWAP_AB:
                 acc = tl.dot(b, tl.trans(a), acc, max_num_imprecise_acc=PROMOTE_K)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from common.model.kernels.loads import load_k
 from common.model.kernels.pdl import pdl_prologue
 
 
@@ -35,15 +36,6 @@ def _tile(pid, blocks_m, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     first_m = (pid // per_group) * GROUP_M
     group_m = tl.minimum(blocks_m - first_m, GROUP_M)
     return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
-
-
-@triton.jit
-def _load_k(ptrs, ks, K, EVEN_K: tl.constexpr):
-    if EVEN_K:
-        tile = tl.load(ptrs + ks[None, :])
-    else:
-        tile = tl.load(ptrs + ks[None, :], mask=ks[None, :] < K, other=0.0)
-    return tile
 
 
 def weight_scale_strides(scale) -> tuple[int, int, int]:
@@ -172,13 +164,13 @@ def _gate_up_rows(
     up = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + rk
-        a = _load_k(a_rows, ks, K, EVEN_K)
+        a = load_k(a_rows, ks, K, EVEN_K)
         if TMA:
             g = w_desc.load([gate_row, k0])
             u = w_desc.load([gate_row + N, k0])
         else:
-            g = _load_k(gate_rows, ks, K, EVEN_K)
-            u = _load_k(up_rows, ks, K, EVEN_K)
+            g = load_k(gate_rows, ks, K, EVEN_K)
+            u = load_k(up_rows, ks, K, EVEN_K)
         if FP8:
             gate = _fp8_step(gate, a, g, a_scales, gate_scales, k0, stride_xsk, stride_sk, SCALE_GK, PROMOTE)  # fmt: skip
             up = _fp8_step(up, a, u, a_scales, up_scales, k0, stride_xsk, stride_sk, SCALE_GK, PROMOTE)  # fmt: skip
@@ -269,11 +261,11 @@ def _down_rows(
         if ROWS_TMA:
             a = h_desc.load([first, k0])
         else:
-            a = _load_k(a_rows, ks, K, EVEN_K)
+            a = load_k(a_rows, ks, K, EVEN_K)
         if TMA:
             b = w_desc.load([b_row, k0])
         else:
-            b = _load_k(b_rows, ks, K, EVEN_K)
+            b = load_k(b_rows, ks, K, EVEN_K)
         if FP8:
             acc = _fp8_step(acc, a, b, a_scales, b_scales, k0, stride_hsk, stride_sk, SCALE_GK, PROMOTE)  # fmt: skip
         else:

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from common.model.kernels.loads import load_k
 from common.model.kernels.pdl import pdl_args, pdl_prologue
 from common.model.spec import MoESpec
 
@@ -135,15 +136,6 @@ def route(
 
 
 @triton.jit
-def _load_k(rows, ks, K, EVEN_K: tl.constexpr):
-    if EVEN_K:
-        tile = tl.load(rows + ks[None, :])
-    else:
-        tile = tl.load(rows + ks[None, :], mask=ks[None, :] < K, other=0.0)
-    return tile
-
-
-@triton.jit
 def _logits(x_ptr, w_ptr, tokens, experts, T, H, E, stride_x, stride_w,
             BLOCK_T: tl.constexpr, E_SLICE: tl.constexpr, BLOCK_K: tl.constexpr,
             USE_DOT: tl.constexpr, CAST_F32: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
@@ -155,8 +147,8 @@ def _logits(x_ptr, w_ptr, tokens, experts, T, H, E, stride_x, stride_w,
     if USE_DOT:
         acc = tl.zeros((BLOCK_T, E_SLICE), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
-            a = _load_k(x_rows, k0 + rk, H, EVEN_K)
-            b = _load_k(w_rows, k0 + rk, H, EVEN_K)
+            a = load_k(x_rows, k0 + rk, H, EVEN_K)
+            b = load_k(w_rows, k0 + rk, H, EVEN_K)
             if CAST_F32:
                 a, b = a.to(tl.float32), b.to(tl.float32)
             # bf16 x bf16 products are exact in float32: only the summation order differs
@@ -165,8 +157,8 @@ def _logits(x_ptr, w_ptr, tokens, experts, T, H, E, stride_x, stride_w,
         return acc
     acc3 = tl.zeros((BLOCK_T, E_SLICE, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        a = _load_k(x_rows, k0 + rk, H, EVEN_K).to(tl.float32)
-        b = _load_k(w_rows, k0 + rk, H, EVEN_K).to(tl.float32)
+        a = load_k(x_rows, k0 + rk, H, EVEN_K).to(tl.float32)
+        b = load_k(w_rows, k0 + rk, H, EVEN_K).to(tl.float32)
         acc3 += a[:, None, :] * b[None, :, :]
     return tl.sum(acc3, axis=2)
 
